@@ -1,0 +1,19 @@
+"""tokenmill: a small, fast LLM inference engine."""
+
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code; import it lazily so `import tokenmill`
+    # and `tokenmill --help` stay fast.
+    if name == "LLM":
+        from tokenmill.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

@@ -1,0 +1,129 @@
+"""Engine configuration: one dataclass per concern, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype on a GPU and float32 on a CPU (exact and fast for small models)."""
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        if device.type == "cpu":
+            resolved = torch.float32
+        else:
+            resolved = checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    elif dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {dtype!r}")
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {resolved} is not supported; use float32, bfloat16 or float16")
+    if device.type == "cuda" and resolved == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError("this GPU does not support bfloat16; use dtype='float16'")
+    return resolved
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # HF folder or .gguf file; None means the embedded default model
+    tokenizer: str | None = None  # defaults to the model's own tokenizer
+    dtype: str = "auto"
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    skip_tokenizer_init: bool = False
+    seed: int = 0
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # The KV budget: an explicit byte count wins; otherwise a fraction of the free
+    # memory of the device (GPU memory, or available RAM on a CPU).
+    kv_cache_memory: int | None = None
+    memory_fraction: float | None = None  # default: 0.9 on GPU (minus weights), 0.25 on CPU
+    num_kv_blocks: int | None = None  # exact block count, for tests and experiments
+    kv_cache_dtype: str = "auto"  # "auto" = model dtype; quantized KV comes later
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be at least 2 (block 0 is reserved), got {self.num_kv_blocks}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype must be 'auto' for now, got {self.kv_cache_dtype!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one engine step
+    max_num_seqs: int = 256  # running requests at most
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "auto"
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments (the LLM(...) and CLI spelling); unknown names are an error."""
+        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+        values: dict[str, dict] = {name: {} for name in parts}
+        device = kwargs.pop("device", "auto")
+        for key, value in kwargs.items():
+            for name, klass in parts.items():
+                if key in klass.__dataclass_fields__:
+                    values[name][key] = value
+                    break
+            else:
+                allowed = sorted(f for klass in parts.values() for f in klass.__dataclass_fields__) + ["device"]
+                raise TypeError(f"unknown engine argument {key!r}; allowed: {', '.join(allowed)}")
+        return cls(**{name: klass(**values[name]) for name, klass in parts.items()}, device=device)

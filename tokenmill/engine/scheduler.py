@@ -1,0 +1,173 @@
+"""Token-budget scheduler (vLLM v1 style): no prefill or decode phase, only a budget.
+
+Each step hands out max_num_batched_tokens: first to running requests in order (a decode
+costs one token, an unfinished prompt takes the next chunk), then to waiting requests in
+FCFS order. When KV blocks run out, the running request admitted last is preempted: its
+blocks are freed and it goes back to the front of the queue, to be recomputed later
+(prompt + output so far), which gives the same tokens it would have produced.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's share of a step, as plain data for the model runner."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens whose KV is computed this step
+    start_pos: int  # position of token_ids[0] (= tokens already in the cache)
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # the chunk reaches the request's last token, so a new token is sampled
+    sampling_params: SamplingParams
+    sampling_seed: int
+    output_index: int  # index of the output token being sampled (keys the random stream)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step ---------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self.running.pop()  # lowest priority: admitted last
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request itself was preempted: it was the last one running
+
+        # New work only when nothing had to be preempted: memory is tight otherwise.
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                num_new = request.num_tokens - request.num_computed_tokens
+                if num_new > budget and not self.config.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+                if not self.kv_cache.allocate_slots(request, num_new):
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled.append((request, num_new))
+                budget -= num_new
+
+        chunks = [self._make_chunk(request, num_new) for request, num_new in scheduled]
+        return SchedulerOutput(chunks=chunks, preempted_request_ids=[r.request_id for r in preempted])
+
+    def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_pos=start,
+            block_ids=self.kv_cache.get_block_ids(request.request_id),
+            sample=end == request.num_tokens,
+            sampling_params=request.sampling_params,
+            sampling_seed=request.sampling_seed,
+            output_index=request.num_output_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> tuple[list[Request], list[Request]]:
+        """Apply a step's results. Returns (requests that got a new token, requests that finished)."""
+        updated: list[Request] = []
+        finished: list[Request] = []
+        for chunk, token_id in zip(output.chunks, sampled_token_ids):
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(chunk.token_ids)
+            if not chunk.sample:
+                continue
+            assert token_id is not None
+            request.append_output_token(token_id)
+            updated.append(request)
+            if request.check_stop():
+                finished.append(request)
+        if finished:
+            for request in finished:
+                self.kv_cache.free(request)
+                del self.requests[request.request_id]
+            self.running = [r for r in self.running if not r.is_finished]
+        return updated, finished

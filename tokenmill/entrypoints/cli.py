@@ -1,0 +1,160 @@
+"""`tokenmill generate | chat`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tokenmill.errors import TokenmillError
+from tokenmill.sampling_params import SamplingParams
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", default=None, help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's own")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--verbose", "-v", action="store_true", help="log engine details to stderr")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.7, help="0 for greedy decoding")
+    g.add_argument("--top-p", type=float, default=0.9)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="seed of the request's random stream")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _engine(args: argparse.Namespace):
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.engine import LLMEngine
+
+    config = EngineConfig.from_kwargs(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+    return LLMEngine(config)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _stream(engine, prompt, params: SamplingParams) -> str:
+    """Run one request to the end, writing its text to stdout as it is generated."""
+    engine.add_request(prompt, params)
+    printed = 0
+    text = ""
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    params = _sampling_params(args)
+    engine = _engine(args)
+    sys.stdout.write(args.prompt)
+    _stream(engine, args.prompt, params)
+    sys.stdout.write("\n")
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    params = _sampling_params(args)
+    engine = _engine(args)
+    tokenizer = engine.tokenizer
+    if tokenizer is None or not tokenizer.chat_template:
+        raise TokenmillError("this model has no chat template; use `tokenmill generate` instead")
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Chatting with the model. Type /exit or press Ctrl-D to quit, /reset to start over.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        reply = _stream(engine, {"prompt": text, "prompt_token_ids": ids}, params)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="A small, fast LLM inference engine.")
+    parser.add_argument("--version", action="version", version=f"tokenmill {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete a prompt, streaming the text")
+    gen.add_argument("prompt", help="the text to continue")
+    _add_engine_args(gen)
+    _add_sampling_args(gen, max_tokens=128)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    chat.add_argument("--system", default=None, help="a system message")
+    _add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=512)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def _version() -> str:
+    from tokenmill import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except (TokenmillError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Activations. Gated MLPs take the fused [gate | up] projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from tokenmill.errors import ModelLoadError
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def get_activation(name: str) -> nn.Module:
+    """The activation named in an HF config, implemented by transformers itself so outputs match."""
+    if name not in ACT2FN:
+        raise ModelLoadError(f"activation {name!r} is not supported")
+    return ACT2FN[name]

@@ -1,0 +1,77 @@
+"""Attention over the paged KV cache for a mixed batch (decodes and prompt chunks together).
+
+The layer writes the step's new K/V into their cache slots, then attends each query token
+to its request's context through the block table, causal within the chunk. The backend is
+chosen per device; the torch backend here is the reference and runs anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.worker.batch import BatchInputs
+
+
+class TorchPagedAttention:
+    """Reference backend: gather each group's context blocks and run SDPA with a causal mask."""
+
+    @staticmethod
+    def forward(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: BatchInputs,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        # One extra row: padded query slots read zeros from it and write their garbage to it.
+        q_padded = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
+        out = q.new_empty(num_tokens + 1, num_heads, head_dim)
+        for group in batch.attn_groups:  # at most two: decodes and prompt chunks
+            b, max_q = group.token_index.shape
+            query = q_padded[group.token_index].transpose(1, 2)  # [b, H, max_q, D]
+            key = k_cache[group.block_table].flatten(1, 2).transpose(1, 2)  # [b, Hkv, ctx, D]
+            value = v_cache[group.block_table].flatten(1, 2).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                query,
+                key,
+                value,
+                attn_mask=group.mask(batch.block_size, sliding_window),
+                scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )
+            out[group.token_index.flatten()] = o.transpose(1, 2).reshape(b * max_q, num_heads, head_dim)
+        return out[:num_tokens]
+
+
+class Attention(nn.Module):
+    """Paged attention of one layer. The runner binds k_cache/v_cache after allocating KV memory."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, sliding_window: int | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.backend = TorchPagedAttention
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, batch.slot_mapping, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, batch.slot_mapping, v.to(flat_v.dtype))
+        out = self.backend.forward(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
+        return out.reshape(-1, self.num_heads * self.head_dim)

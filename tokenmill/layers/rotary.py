@@ -1,0 +1,45 @@
+"""Rotary position embedding with the config's theta and scaling (via transformers' RoPE init functions)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from tokenmill.errors import ModelLoadError
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling exactly as transformers computes them."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", 10000.0)
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(f"rope_type {rope_type!r} is not supported; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+    if rope_type == "dynamic":
+        raise ModelLoadError("rope_type 'dynamic' is not supported (its frequencies depend on the sequence length)")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int, max_position: int, freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(config, head_dim)
+        if freq_factors is not None:  # llama.cpp's per-frequency factors (llama3 scaling baked into a GGUF)
+            inv_freq = inv_freq / freq_factors.float()
+        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each position, shaped [T, 1, D] to broadcast over heads."""
+        return self.cos_cache[positions].to(dtype)[:, None, :], self.sin_cache[positions].to(dtype)[:, None, :]

@@ -1,0 +1,115 @@
+"""LLM: the offline facade, vLLM's API (generate / chat) over LLMEngine, with a tqdm progress bar."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import LLMEngine, PromptInput
+from tokenmill.errors import InvalidRequestError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class LLM:
+    """LLM(model=None) loads the embedded default model (SmolLM2-135M-Instruct).
+
+    Keyword arguments are the engine's settings: dtype, max_model_len, block_size,
+    kv_cache_memory, memory_fraction, num_kv_blocks, max_num_batched_tokens, max_num_seqs,
+    enable_chunked_prefill, device, seed, tokenizer, skip_tokenizer_init.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts."""
+        inputs = _normalize_prompts(prompts, prompt_token_ids)
+        return self._run(inputs, _per_prompt_params(sampling_params, len(inputs)), use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or several."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise InvalidRequestError("chat needs a tokenizer, and this model was loaded without one")
+        if not tokenizer.chat_template and chat_template is None:
+            raise InvalidRequestError("this model has no chat template; pass chat_template=... or use generate()")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+            # The template already holds the special tokens (BOS and the like): don't add them twice.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self._run(prompts, _per_prompt_params(sampling_params, len(prompts)), use_tqdm)
+
+    def _run(self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(prompt, p))
+        except Exception:
+            for request_id in ids:  # all or nothing: a bad prompt leaves no request behind
+                engine.abort_request(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        start = time.perf_counter()
+        generated = 0
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    generated += 1
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"output {generated / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+        return [finished[i] for i in ids]
+
+
+def _normalize_prompts(prompts, prompt_token_ids) -> list[PromptInput]:
+    if prompts is not None and prompt_token_ids is not None:
+        raise ValueError("give either prompts or prompt_token_ids, not both")
+    if prompt_token_ids is not None:
+        if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+            prompt_token_ids = [prompt_token_ids]
+        return [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+    if prompts is None:
+        raise ValueError("generate() needs prompts or prompt_token_ids")
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    return list(prompts)
+
+
+def _per_prompt_params(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; give one, or one per prompt")
+    return params

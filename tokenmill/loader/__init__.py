@@ -1,0 +1,46 @@
+"""Model loading: pick the format, build the model on its device, load its weights."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.errors import ModelLoadError
+from tokenmill.loader.default_model import default_model_path
+from tokenmill.loader.gguf_file import load_gguf_source
+from tokenmill.loader.hf import load_hf_source
+from tokenmill.loader.source import ModelSource
+from tokenmill.models.registry import get_model_class
+
+
+def load_model_source(config: ModelConfig) -> ModelSource:
+    path = config.model or default_model_path()
+    if path.endswith(".gguf"):
+        return load_gguf_source(path, config.tokenizer, config.skip_tokenizer_init)
+    if os.path.isdir(path):
+        return load_hf_source(path, config.tokenizer, config.skip_tokenizer_init)
+    if os.path.exists(path):
+        raise ModelLoadError(f"{path}: not a model; give an HF model folder or a .gguf file")
+    raise ModelLoadError(f"{path}: no such model folder or file (models are loaded from local paths only)")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, max_position: int) -> nn.Module:
+    model_class = get_model_class(source.hf_config)
+    with _default_dtype(dtype), device:
+        model = model_class(source.hf_config, max_position, source.rope_freq_factors)
+    model.load_weights(source.weights())
+    return model.eval()

@@ -1,0 +1,103 @@
+"""Load an HF model folder: config.json, single or sharded safetensors, tokenizer, chat template."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tokenmill.errors import ModelLoadError
+from tokenmill.loader.source import ModelSource, eos_ids_from
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as exc:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise ModelLoadError(f"{folder}: shard files listed in {index.name} are missing: {', '.join(missing)}")
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no weights found (expected *.safetensors or pytorch_model*.bin)")
+    return files
+
+
+def _iter_weights(files: list[Path]) -> Iterable[tuple[str, torch.Tensor]]:
+    for path in files:
+        if path.suffix == ".bin":
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise ModelLoadError(f"{path}: cannot read PyTorch weights: {exc}") from None
+            yield from state.items()
+            continue
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    yield key, handle.get_tensor(key)
+        except SafetensorError as exc:
+            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from None
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from None
+
+
+def load_hf_source(path: str, tokenizer_path: str | None = None, skip_tokenizer_init: bool = False) -> ModelSource:
+    from transformers import AutoConfig, GenerationConfig
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{path}: no config.json here; give an HF model folder or a .gguf file")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:
+        raise ModelLoadError(f"{folder / 'config.json'} cannot be read: {exc}") from None
+    files = _weight_files(folder)
+
+    tokenizer = None
+    if not skip_tokenizer_init:
+        tok_path = Path(tokenizer_path) if tokenizer_path else folder
+        if tokenizer_path or any((tok_path / f).is_file() for f in _TOKENIZER_FILES):
+            tokenizer = load_tokenizer(str(tok_path))
+        else:
+            logger.warning("%s has no tokenizer files: only token-id prompts will work", path)
+
+    generation_eos = None
+    if (folder / "generation_config.json").is_file():
+        try:
+            generation_eos = GenerationConfig.from_pretrained(folder).eos_token_id
+        except Exception:
+            logger.warning("ignoring an unreadable generation_config.json in %s", path)
+    eos = eos_ids_from(getattr(config, "eos_token_id", None), generation_eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None and not eos:
+        eos.add(tokenizer.eos_token_id)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return ModelSource(
+        name=path,
+        hf_config=config,
+        weights=lambda: _iter_weights(files),
+        tokenizer=tokenizer,
+        eos_token_ids=eos,
+        checkpoint_dtype=dtype,
+    )

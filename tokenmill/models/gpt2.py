@@ -1,0 +1,102 @@
+"""GPT-2: learned positions, LayerNorm, fused c_attn, GELU MLP, tied LM head."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.activation import get_activation
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.embedding import VocabEmbedding
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.norm import LayerNorm
+from tokenmill.models.weights import load_named_weights
+from tokenmill.worker.batch import BatchInputs
+
+# HF GPT-2 stores these as Conv1D weights, [in, out]; ours are nn.Linear-shaped [out, in].
+_CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        hidden = config.n_embd
+        self.num_heads = config.n_head
+        head_dim = hidden // self.num_heads
+        scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+            scale /= layer_idx + 1
+        self.c_attn = Linear(hidden, 3 * hidden, bias=True)
+        self.c_proj = Linear(hidden, hidden, bias=True)
+        self.attn = Attention(self.num_heads, head_dim, self.num_heads, scale)
+
+    def forward(self, hidden: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        q, k, v = self.c_attn(hidden).chunk(3, dim=-1)
+        return self.c_proj(self.attn(q, k, v, batch))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        inner = config.n_inner or 4 * config.n_embd
+        self.c_fc = Linear(config.n_embd, inner, bias=True)
+        self.c_proj = Linear(inner, config.n_embd, bias=True)
+        self.act = get_activation(config.activation_function)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config, layer_idx)
+        self.ln_2 = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, hidden: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        hidden = hidden + self.attn(self.ln_1(hidden), batch)
+        return hidden + self.mlp(self.ln_2(hidden))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.wte = VocabEmbedding(config.vocab_size, config.n_embd)
+        self.wpe = VocabEmbedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.n_layer))
+        self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        hidden = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            hidden = block(hidden, batch)
+        return self.ln_f(hidden)
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, config, max_position: int, rope_freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = GPT2Model(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        return self.transformer(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.transformer.wte.weight).float()  # GPT-2 always ties the LM head
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if not name.startswith("transformer.") and not name.startswith("lm_head."):
+                    name = "transformer." + name  # the original gpt2 checkpoints have no prefix
+                if name.endswith(_CONV1D_WEIGHTS):
+                    tensor = tensor.t()
+                yield name, tensor
+
+        load_named_weights(self, renamed(), {}, ignore=("lm_head.weight", ".attn.bias", ".attn.masked_bias"))

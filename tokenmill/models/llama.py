@@ -1,0 +1,135 @@
+"""The Llama family from one implementation: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.errors import ModelLoadError
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding, rotate_half
+from tokenmill.models.weights import load_named_weights
+from tokenmill.worker.batch import BatchInputs
+
+
+def sliding_window_for_layer(config, layer_idx: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        is_qwen2 = config.model_type == "qwen2"  # Qwen2: bias on q/k/v only
+        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=attention_bias or is_qwen2)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=attention_bias and not is_qwen2)
+        self.q_norm = self.k_norm = None
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, sliding_window_for_layer(config, layer_idx)
+        )
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = self.attn(q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v, batch)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ModelLoadError(f"hidden_act {config.hidden_act!r} is not supported for {config.model_type}; only 'silu'")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_position: int, rope_freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim
+        # One rotary table for all layers; cos/sin are gathered once per forward.
+        self.rotary_emb = RotaryEmbedding(config, head_dim, max_position, rope_freq_factors)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, batch)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, max_position: int, rope_freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_position, rope_freq_factors)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else LMHead(config.vocab_size, config.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        ignore = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        load_named_weights(self, weights, self.packed_modules, ignore)

@@ -1,0 +1,124 @@
+"""BatchInputs: everything one forward pass needs, built from the scheduled chunks in one go with numpy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+import torch
+
+from tokenmill.engine.scheduler import ScheduledChunk
+
+
+@dataclass
+class AttentionGroup:
+    """Requests of one shape class (decodes, or prompt chunks) padded to a common query length.
+
+    Decodes and prompt chunks are attended in separate groups so that 32 decodes in a batch
+    with one long prompt chunk are not padded to the chunk's length.
+    """
+
+    token_index: torch.Tensor  # [b, max_q] rows of the step's tokens; padding points at a scratch row
+    block_table: torch.Tensor  # [b, num_blocks] the blocks holding each request's context
+    query_pos: torch.Tensor  # [b, max_q] position of each query token
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
+        """Boolean [b, 1, max_q, num_blocks * block_size]: causal over the request's own context."""
+        cached = self._masks.get(sliding_window)
+        if cached is None:
+            kv_pos = torch.arange(self.block_table.shape[1] * block_size, device=self.query_pos.device)
+            q_pos = self.query_pos[:, :, None]
+            cached = kv_pos <= q_pos
+            if sliding_window is not None:
+                cached &= kv_pos > q_pos - sliding_window
+            cached = cached[:, None]
+            self._masks[sliding_window] = cached
+        return cached
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token: block_id * block_size + offset
+    query_start_loc: torch.Tensor  # [B + 1]
+    seq_lens: torch.Tensor  # [B] context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks], padded with the null block 0
+    logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
+    attn_groups: list[AttentionGroup]
+    block_size: int
+    num_tokens: int
+
+    @classmethod
+    def build(cls, chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> "BatchInputs":
+        num_reqs = len(chunks)
+        q_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=num_reqs)
+        num_tokens = int(q_lens.sum())
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        seq_lens = starts + q_lens
+
+        input_ids = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64, count=num_tokens)
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+        positions = np.arange(num_tokens) - query_start_loc[:-1][req_of_token] + starts[req_of_token]
+
+        # Block table: scatter every request's block ids into a zero-padded matrix.
+        n_blocks = np.fromiter((len(c.block_ids) for c in chunks), dtype=np.int64, count=num_reqs)
+        flat_blocks = np.fromiter(chain.from_iterable(c.block_ids for c in chunks), dtype=np.int64, count=int(n_blocks.sum()))
+        block_tables = np.zeros((num_reqs, max(int(n_blocks.max()), 1)), dtype=np.int64)
+        block_starts = np.cumsum(n_blocks) - n_blocks
+        row_of_block = np.repeat(np.arange(num_reqs), n_blocks)
+        block_tables[row_of_block, np.arange(len(flat_blocks)) - block_starts[row_of_block]] = flat_blocks
+        slot_mapping = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
+
+        sample_rows = np.fromiter((c.sample for c in chunks), dtype=bool, count=num_reqs)
+        logits_indices = (query_start_loc[1:] - 1)[sample_rows]
+
+        groups = []
+        is_decode = q_lens == 1
+        for rows in (np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]):
+            if len(rows):
+                groups.append(_make_group(rows, q_lens, starts, seq_lens, query_start_loc, block_tables, block_size, num_tokens, device))
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        return cls(
+            input_ids=t(input_ids),
+            positions=t(positions),
+            slot_mapping=t(slot_mapping),
+            query_start_loc=t(query_start_loc),
+            seq_lens=t(seq_lens),
+            block_tables=t(block_tables),
+            logits_indices=t(logits_indices),
+            attn_groups=groups,
+            block_size=block_size,
+            num_tokens=num_tokens,
+        )
+
+
+def _make_group(
+    rows: np.ndarray,
+    q_lens: np.ndarray,
+    starts: np.ndarray,
+    seq_lens: np.ndarray,
+    query_start_loc: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    num_tokens: int,
+    device: torch.device,
+) -> AttentionGroup:
+    max_q = int(q_lens[rows].max())
+    offsets = np.arange(max_q)[None, :]
+    token_index = query_start_loc[rows][:, None] + offsets
+    token_index[offsets >= q_lens[rows][:, None]] = num_tokens  # padding -> scratch row
+    query_pos = starts[rows][:, None] + offsets
+    num_blocks = -(-int(seq_lens[rows].max()) // block_size)
+    return AttentionGroup(
+        token_index=torch.from_numpy(token_index).to(device),
+        block_table=torch.from_numpy(np.ascontiguousarray(block_tables[rows, :num_blocks])).to(device),
+        query_pos=torch.from_numpy(query_pos).to(device),
+    )
