@@ -61,13 +61,14 @@ def test_stop_token_ids_and_ignore_eos(llm):
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
 
 
-def test_min_tokens_holds_back_stop_tokens(llm):
+def test_min_tokens_bans_stop_tokens_until_reached(llm):
+    # vLLM's meaning: EOS and stop_token_ids cannot be generated before min_tokens outputs.
     base = llm.generate("One, two, three,", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
     stop_at = base.outputs[0].token_ids[0]
-    out = llm.generate(
-        "One, two, three,", SamplingParams(temperature=0, max_tokens=8, min_tokens=8, stop_token_ids=[stop_at], ignore_eos=True), use_tqdm=False
-    )[0]
-    assert out.outputs[0].token_ids == base.outputs[0].token_ids
+    out = llm.generate("One, two, three,", SamplingParams(temperature=0, max_tokens=8, min_tokens=8, stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8 and stop_at not in out.outputs[0].token_ids
+    assert not set(out.outputs[0].token_ids) & llm.llm_engine.eos_token_ids
+    assert out.outputs[0].finish_reason == "length"
 
 
 def test_context_length_ends_generation(llm):

@@ -78,15 +78,21 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         start = time.perf_counter()
         generated = 0
-        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    generated += 1
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
-                elapsed = time.perf_counter() - start
-                bar.set_postfix_str(f"output {generated / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+        try:
+            with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        generated += 1
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"output {generated / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+        except BaseException:
+            # Interrupted (Ctrl-C, an error): leave no request holding blocks for the next call.
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
         return [finished[i] for i in ids]
 
 

@@ -30,6 +30,9 @@ class ScheduledChunk:
     sampling_params: SamplingParams
     sampling_seed: int
     output_index: int  # index of the output token being sampled (keys the random stream)
+    # Tokens the sampler must not pick for this sample: EOS (unless ignore_eos) and the stop
+    # token ids while fewer than min_tokens tokens are out, as vLLM's min_tokens does.
+    banned_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -139,7 +142,18 @@ class Scheduler:
             sampling_params=request.sampling_params,
             sampling_seed=request.sampling_seed,
             output_index=request.num_output_tokens,
+            banned_token_ids=self._banned_token_ids(request) if end == request.num_tokens else (),
         )
+
+    @staticmethod
+    def _banned_token_ids(request: Request) -> tuple[int, ...]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            return ()
+        banned = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned |= request.eos_token_ids
+        return tuple(sorted(banned))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
@@ -151,6 +165,8 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> tuple[list[Request], list[Request]]:
         """Apply a step's results. Returns (requests that got a new token, requests that finished)."""
+        if len(sampled_token_ids) != len(output.chunks):
+            raise ValueError(f"got {len(sampled_token_ids)} sampled token ids for {len(output.chunks)} scheduled chunks")
         updated: list[Request] = []
         finished: list[Request] = []
         for chunk, token_id in zip(output.chunks, sampled_token_ids):
