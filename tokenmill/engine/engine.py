@@ -189,6 +189,9 @@ class LLMEngine:
         """Schedule, run one forward pass, and return an output for each request that got a token."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            if self.scheduler.num_waiting and not self.scheduler.num_running:
+                # Every request fits the cache alone (max_model_len <= capacity), so this is a bug, not a wait.
+                raise RuntimeError("the scheduler could not admit any waiting request into an empty batch")
             return []
         sampled = self.runner.execute(scheduled.chunks)
         updated, _ = self.scheduler.update(scheduled, sampled)

@@ -18,8 +18,10 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ModelLoadError(f"rope_type {rope_type!r} is not supported; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-    if rope_type == "dynamic":
-        raise ModelLoadError("rope_type 'dynamic' is not supported (its frequencies depend on the sequence length)")
+    if rope_type in ("dynamic", "longrope"):
+        # transformers recomputes these per forward pass (longrope switches to its long factors once the
+        # sequence passes original_max_position_embeddings); one fixed table would be wrong there.
+        raise ModelLoadError(f"rope_type {rope_type!r} is not supported (its frequencies depend on the sequence length)")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
 

@@ -17,9 +17,18 @@ from tokenmill.loader.source import ModelSource
 from tokenmill.models.registry import get_model_class
 
 
+def _has_gguf_magic(path: str) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def load_model_source(config: ModelConfig) -> ModelSource:
     path = config.model or default_model_path()
-    if path.endswith(".gguf"):
+    # GGUF files go by their magic too: Ollama's blobs and renamed downloads have no .gguf suffix.
+    if path.lower().endswith(".gguf") or (os.path.isfile(path) and _has_gguf_magic(path)):
         return load_gguf_source(path, config.tokenizer, config.skip_tokenizer_init)
     if os.path.isdir(path):
         return load_hf_source(path, config.tokenizer, config.skip_tokenizer_init)

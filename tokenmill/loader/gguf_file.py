@@ -130,6 +130,7 @@ def _hf_config(meta: _Metadata, arch: str, tensors: dict, tokenizer_ids: dict):
     extra = {}
     if arch in ("llama", "mistral"):
         extra["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        extra["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     return AutoConfig.for_model(
         model_type,
         hidden_size=hidden,
@@ -178,9 +179,10 @@ def load_gguf_source(path: str, tokenizer_path: str | None = None, skip_tokenize
             if name is None:
                 continue
             weight = torch.from_numpy(dequantize_tensor(tensor))
-            if permuted and name.endswith("self_attn.q_proj.weight"):
+            # convert_hf_to_gguf permutes the q/k biases along with the weights.
+            if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
                 weight = unpermute_qk(weight, config.num_attention_heads)
-            elif permuted and name.endswith("self_attn.k_proj.weight"):
+            elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
                 weight = unpermute_qk(weight, config.num_key_value_heads)
             elif arch == "gpt2" and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
                 weight = weight.t()  # back to HF's Conv1D layout; the model transposes on load

@@ -6,12 +6,14 @@ import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.loader.source import ModelSource, eos_ids_from
+from tokenmill.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,10 @@ def _weight_files(folder: Path) -> list[Path]:
         if missing:
             raise ModelLoadError(f"{folder}: shard files listed in {index.name} are missing: {', '.join(missing)}")
         return [folder / s for s in shards]
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    safetensors = sorted(folder.glob("*.safetensors"))
+    # Mistral's repos ship consolidated.safetensors (its own tensor names) beside the HF-format files.
+    files = [f for f in safetensors if not f.name.startswith("consolidated")] or safetensors
+    files = files or sorted(folder.glob("pytorch_model*.bin"))
     if not files:
         raise ModelLoadError(f"{folder}: no weights found (expected *.safetensors or pytorch_model*.bin)")
     return files
@@ -52,6 +57,18 @@ def _iter_weights(files: list[Path]) -> Iterable[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from None
 
 
+def _check_architecture(config_path: Path) -> None:
+    """Read the raw JSON first: an architecture we cannot run is named as such (with the supported
+    ones), even when transformers itself does not know its model_type and would suggest upgrading."""
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_path} must hold a JSON object, not {type(raw).__name__}")
+    get_model_class(SimpleNamespace(architectures=raw.get("architectures")))
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
@@ -66,7 +83,11 @@ def load_hf_source(path: str, tokenizer_path: str | None = None, skip_tokenizer_
 
     folder = Path(path)
     if not (folder / "config.json").is_file():
+        ggufs = sorted(folder.glob("*.gguf"))
+        if ggufs:
+            raise ModelLoadError(f"{path}: no config.json here, but it holds {ggufs[0].name}: give the path of that .gguf file")
         raise ModelLoadError(f"{path}: no config.json here; give an HF model folder or a .gguf file")
+    _check_architecture(folder / "config.json")
     try:
         config = AutoConfig.from_pretrained(folder)
     except Exception as exc:

@@ -22,7 +22,8 @@ def supported_architectures() -> list[str]:
 
 
 def get_model_class(config) -> type[nn.Module]:
-    architectures = list(getattr(config, "architectures", None) or [])
+    architectures = getattr(config, "architectures", None) or []
+    architectures = [architectures] if isinstance(architectures, str) else list(architectures)
     for name in architectures:
         if name in MODEL_REGISTRY:
             return MODEL_REGISTRY[name]
