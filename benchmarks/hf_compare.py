@@ -17,6 +17,18 @@ import time
 import torch
 
 
+def _hf_from_gguf(path: str, dtype: torch.dtype):
+    """HF's own model on the GGUF's dequantized weights (from_pretrained(gguf_file=) would need accelerate)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"], strict=False)
+    model.tie_weights()
+    return model.to(dtype).eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
@@ -27,15 +39,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM
-
     from tokenmill import LLM, SamplingParams
     from tokenmill.loader.default_model import default_model_path
 
     path = args.model or default_model_path()
     dtype = getattr(torch, args.dtype)
     llm = LLM(model=path, dtype=args.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype).eval()
+    hf = _hf_from_gguf(path, dtype)
 
     gen = torch.Generator().manual_seed(0)
     vocab = llm.llm_engine.vocab_size
