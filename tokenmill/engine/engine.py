@@ -139,6 +139,7 @@ class LLMEngine:
 
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()
+        _reject_unimplemented(params)
         text, token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
@@ -221,3 +222,23 @@ class LLMEngine:
             outputs=[completion],
             finished=request.is_finished,
         )
+
+
+def _reject_unimplemented(params: SamplingParams) -> None:
+    """Parameters that validate but have no implementation yet are refused, never silently ignored."""
+    unimplemented = {
+        "n > 1 / best_of": params.num_sequences > 1,
+        "presence_penalty / frequency_penalty / repetition_penalty": bool(
+            params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+        ),
+        "logit_bias": bool(params.logit_bias),
+        "allowed_token_ids": params.allowed_token_ids is not None,
+        "bad_words": bool(params.bad_words),
+        "logprobs": params.logprobs is not None,
+        "prompt_logprobs": params.prompt_logprobs is not None,
+        "stop": bool(params.stop),
+        "structured_outputs": params.structured_outputs is not None,
+    }
+    missing = [name for name, used in unimplemented.items() if used]
+    if missing:
+        raise InvalidRequestError(f"not supported yet: {', '.join(missing)}")

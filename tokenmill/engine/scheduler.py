@@ -30,6 +30,9 @@ class ScheduledChunk:
     sampling_params: SamplingParams
     sampling_seed: int
     output_index: int  # index of the output token being sampled (keys the random stream)
+    # The request's token history (shared lists, not copies): penalties and bad words read them.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
     # Tokens the sampler must not pick for this sample: EOS (unless ignore_eos) and the stop
     # token ids while fewer than min_tokens tokens are out, as vLLM's min_tokens does.
     banned_token_ids: tuple[int, ...] = ()
@@ -142,6 +145,8 @@ class Scheduler:
             sampling_params=request.sampling_params,
             sampling_seed=request.sampling_seed,
             output_index=request.num_output_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
             banned_token_ids=self._banned_token_ids(request) if end == request.num_tokens else (),
         )
 
