@@ -303,3 +303,122 @@ def test_no_leak_after_random_workload():
     assert pool.null_block.ref_cnt == 1
     assert manager.req_to_blocks == {}
     assert pool.usage() == 0.0
+
+
+# -- fork and copy-on-write (parallel sampling, beam search) ------------------------------------
+
+
+def ref_counts(pool: BlockPool, ids: list[int]) -> list[int]:
+    return [pool.blocks[i].ref_cnt for i in ids]
+
+
+def forked_pair(num_tokens: int = 10, block_size: int = 4, num_blocks: int = 10):
+    """A parent with num_tokens computed tokens and a child forked off it."""
+    pool = BlockPool(num_blocks)
+    manager = KVCacheManager(pool, block_size=block_size)
+    parent = make_request("p", num_tokens)
+    assert grow(manager, parent, num_tokens)
+    child = make_request("c", num_tokens)
+    manager.fork(parent, child)
+    child.num_computed_tokens = parent.num_computed_tokens
+    return pool, manager, parent, child
+
+
+def test_fork_shares_every_block_with_one_more_reference():
+    pool, manager, parent, child = forked_pair()
+    assert manager.get_block_ids("p") == [1, 2, 3]
+    assert manager.get_block_ids("c") == [1, 2, 3]
+    assert ref_counts(pool, [1, 2, 3]) == [2, 2, 2]
+    assert pool.num_free_blocks == 6  # nothing allocated by the fork
+    third = make_request("d", 10)
+    manager.fork(child, third)
+    assert ref_counts(pool, [1, 2, 3]) == [3, 3, 3]
+    assert manager.req_to_blocks["c"] is not manager.req_to_blocks["p"]  # own tables
+    with pytest.raises(RuntimeError, match="already has KV blocks"):
+        manager.fork(parent, child)
+
+
+def test_copy_on_write_of_the_shared_partial_block():
+    pool, manager, parent, child = forked_pair()  # 10 tokens: blocks 1, 2 full, block 3 holds 2 tokens
+    assert manager.take_block_copies() == []
+    # The child writes token 11 into block 3, which the parent holds too: it gets block 4, a copy of 3.
+    assert manager.allocate_slots(child, 1)
+    assert manager.get_block_ids("c") == [1, 2, 4]
+    assert ref_counts(pool, [1, 2, 3, 4]) == [2, 2, 1, 1]
+    assert manager.take_block_copies() == [(3, 4)]
+    assert manager.take_block_copies() == []  # handed out once
+    # The parent is now block 3's only holder: it writes in place, no copy.
+    assert manager.allocate_slots(parent, 1)
+    assert manager.get_block_ids("p") == [1, 2, 3]
+    assert manager.take_block_copies() == []
+    assert free_ids(pool) == [5, 6, 7, 8, 9]
+
+
+def test_copy_on_write_and_a_new_block_in_one_allocation():
+    pool, manager, parent, child = forked_pair()
+    assert manager.allocate_slots(child, 4)  # tokens 11..14: rest of block 3 (copied) and a new block
+    assert manager.get_block_ids("c") == [1, 2, 4, 5]
+    assert manager.take_block_copies() == [(3, 4)]
+    assert ref_counts(pool, [1, 2, 3, 4, 5]) == [2, 2, 1, 1, 1]
+
+
+def test_full_shared_blocks_are_never_copied():
+    pool, manager, parent, child = forked_pair(num_tokens=8)  # two full blocks
+    assert manager.allocate_slots(child, 1)
+    assert manager.get_block_ids("c") == [1, 2, 3]
+    assert manager.take_block_copies() == []
+    assert ref_counts(pool, [1, 2, 3]) == [2, 2, 1]
+
+
+def test_copy_on_write_needs_a_free_block_and_fails_without_change():
+    pool, manager, parent, child = forked_pair(num_tokens=10, num_blocks=4)  # blocks 1..3 used, none free
+    assert not manager.allocate_slots(child, 1)
+    assert manager.get_block_ids("c") == [1, 2, 3]
+    assert ref_counts(pool, [1, 2, 3]) == [2, 2, 2]
+    assert manager.take_block_copies() == []
+
+
+def test_freed_request_drops_its_pending_copies_and_nothing_leaks():
+    pool, manager, parent, child = forked_pair()
+    assert manager.allocate_slots(child, 1)  # copy (3, 4) queued
+    manager.free(child)  # preempted before the forward pass: its copy must not run
+    assert manager.take_block_copies() == []
+    assert ref_counts(pool, [1, 2, 3, 4]) == [1, 1, 1, 0]
+    manager.free(parent)
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+    assert manager.req_to_blocks == {}
+
+
+def test_eight_forks_share_the_prompt_and_copy_only_the_last_block():
+    pool = BlockPool(64)
+    manager = KVCacheManager(pool, block_size=16)
+    parent = make_request("p", 199)
+    assert grow(manager, parent, 199)  # 12 full blocks and one with 7 tokens
+    children = []
+    for i in range(7):
+        child = make_request(f"c{i}", 199)
+        manager.fork(parent, child)
+        child.num_computed_tokens = 199
+        children.append(child)
+    assert ref_counts(pool, manager.get_block_ids("p")) == [8] * 13
+    for seq in [parent] + children:  # each computes the last prompt token
+        assert manager.allocate_slots(seq, 1)
+    # 7 copies of the partial block; the last writer keeps the original.
+    copies = manager.take_block_copies()
+    assert [src for src, _ in copies] == [13] * 7
+    assert manager.get_block_ids("c6")[-1] == 13
+    assert pool.num_usable_blocks - pool.num_free_blocks == 12 + 8
+    for seq in [parent] + children:
+        manager.free(seq)
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+
+
+def test_share_blocks_refuses_free_and_null_blocks():
+    pool = BlockPool(4)
+    (block,) = pool.get_new_blocks(1)
+    pool.free_blocks([block])
+    with pytest.raises(RuntimeError, match="cannot be shared"):
+        pool.share_blocks([block])
+    with pytest.raises(RuntimeError, match="cannot be shared"):
+        pool.share_blocks([pool.null_block])

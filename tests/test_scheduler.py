@@ -596,3 +596,143 @@ def test_many_requests_all_blocks_free_at_the_end():
     assert all(r.is_finished for r in reqs)
     assert sched.kv_cache.pool.num_free_blocks == sched.kv_cache.pool.num_blocks - 1
     assert_all_blocks_free(sched)
+
+
+# -- parallel sampling: fork and copy-on-write ------------------------------------------------
+
+
+def make_group_request(request_id: str, num_prompt_tokens: int, n: int, **params) -> Request:
+    from tokenmill.engine.request import SequenceGroup
+
+    request = make_request(request_id, num_prompt_tokens, n=n, **params)
+    request.group = SequenceGroup(request_id, n, sequences=[request])
+    return request
+
+
+def test_parallel_sampling_prefills_once_then_forks_with_copy_on_write():
+    from tokenmill.engine.request import sequence_seed
+
+    sched = make_scheduler(block_size=4)
+    parent = make_group_request("g", 10, n=3, max_tokens=3, ignore_eos=True)
+    sched.add_request(parent)
+    # Step 1: the prompt up to its last token, nothing sampled.
+    out, updated, _ = run_step(sched)
+    assert shape(out) == [("g", 9)] and not out.chunks[0].sample
+    assert updated == []
+    # Forked: three sequences share blocks 1..3 (block 3 holds one token).
+    group = parent.group
+    assert group.forked and [s.request_id for s in group.sequences] == ["g", "g#1", "g#2"]
+    assert [r.request_id for r in sched.running] == ["g", "g#1", "g#2"]
+    kv = sched.kv_cache
+    assert all(kv.get_block_ids(s.request_id) == [1, 2, 3] for s in group.sequences)
+    assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [3, 3, 3]
+    assert all(s.num_computed_tokens == 9 for s in group.sequences)
+    # Step 2: each sequence computes the last prompt token and samples its first token with its own seed.
+    out = sched.schedule()
+    assert shape(out) == [("g", 1), ("g#1", 1), ("g#2", 1)]
+    assert all(c.sample and c.output_index == 0 and c.token_ids == [1009] for c in out.chunks)
+    seeds = [c.sampling_seed for c in out.chunks]
+    assert seeds == [sequence_seed(parent.sampling_seed, i) for i in range(3)]
+    assert seeds[0] == parent.sampling_seed and len(set(seeds)) == 3
+    # Block 3 is copied on write for the first two; the last holder writes in place.
+    assert out.block_copies == [(3, 4), (3, 5)]
+    assert [c.block_ids for c in out.chunks] == [[1, 2, 4], [1, 2, 5], [1, 2, 3]]
+    assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3, 4, 5)] == [3, 3, 1, 1, 1]
+    updated, _ = sched.update(out, [7, 8, 9])
+    assert [r.output_token_ids for r in group.sequences] == [[7], [8], [9]]
+    run_to_completion_shared(sched)
+    assert [r.output_token_ids for r in group.sequences] == [[7, FILLER, FILLER], [8, FILLER, FILLER], [9, FILLER, FILLER]]
+    assert_all_blocks_free(sched)
+
+
+def run_to_completion_shared(sched: Scheduler, token_fn=lambda c: FILLER, max_steps: int = 10_000) -> list[SchedulerOutput]:
+    """run_to_completion for forked sequences: blocks may be shared, so check ref counts instead of uniqueness."""
+    outs = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return outs
+        out, _, _ = run_step(sched, token_fn)
+        assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+        assert not out.is_empty, "no progress"
+        pool = sched.kv_cache.pool
+        holders: dict[int, int] = {}
+        for blocks in sched.kv_cache.req_to_blocks.values():
+            for b in blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        assert all(pool.blocks[i].ref_cnt == count for i, count in holders.items())
+        assert len(holders) + pool.num_free_blocks == pool.num_blocks - 1
+        for request in sched.running:
+            assert len(sched.kv_cache.get_block_ids(request.request_id)) == cdiv(request.num_computed_tokens, sched.kv_cache.block_size)
+        outs.append(out)
+    raise AssertionError("requests did not finish")
+
+
+def test_one_token_prompt_forks_at_once():
+    sched = make_scheduler(block_size=4)
+    parent = make_group_request("g", 1, n=3, max_tokens=2, ignore_eos=True)
+    sched.add_request(parent)
+    assert [r.request_id for r in sched.waiting] == ["g", "g#1", "g#2"]
+    out = sched.schedule()
+    assert shape(out) == [("g", 1), ("g#1", 1), ("g#2", 1)]
+    assert all(c.sample for c in out.chunks) and out.block_copies == []
+    sched.update(out, [1, 2, 3])
+    run_to_completion_shared(sched)
+    assert [r.output_token_ids for r in parent.group.sequences] == [[1, FILLER], [2, FILLER], [3, FILLER]]
+    assert_all_blocks_free(sched)
+
+
+def test_chunked_prefill_of_a_group_forks_after_the_last_chunk():
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=4)
+    parent = make_group_request("g", 10, n=2, max_tokens=2, ignore_eos=True)
+    sched.add_request(parent)
+    assert [shape(run_step(sched)[0]) for _ in range(3)] == [[("g", 4)], [("g", 4)], [("g", 1)]]
+    assert parent.group.forked and len(sched.running) == 2
+    run_to_completion_shared(sched)
+    assert_all_blocks_free(sched)
+
+
+def test_forked_sequences_under_memory_pressure_are_preempted_and_free_everything():
+    rng = random.Random(5)
+    sched = make_scheduler(num_blocks=14, block_size=4, max_num_batched_tokens=16)
+    groups = []
+    for i in range(4):
+        request = make_group_request(f"g{i}", rng.randint(3, 14), n=rng.randint(2, 4), max_tokens=rng.randint(3, 12), ignore_eos=True)
+        sched.add_request(request)
+        groups.append(request.group)
+    run_to_completion_shared(sched, token_fn=lambda c: FILLER)
+    assert sched.num_preemptions > 0
+    for group in groups:
+        assert len(group.sequences) == group.size
+        assert all(s.num_output_tokens == s.sampling_params.max_tokens for s in group.sequences)
+    assert_all_blocks_free(sched)
+
+
+def test_running_request_with_nothing_to_compute_is_skipped():
+    """A beam waiting for its siblings has every token in the cache: it gets no chunk."""
+    sched = make_scheduler(block_size=4)
+    a, b = make_request("a", 5), make_request("b", 5)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)
+    a.output_token_ids.pop()
+    a.all_token_ids.pop()
+    out, _, _ = run_step(sched)
+    assert shape(out) == [("b", 1)]
+
+
+def test_idle_running_requests_make_room_for_a_waiting_one():
+    """Beams waiting for a preempted sibling hold the memory it needs: one of them is preempted to the
+    back of the queue (its candidates live on in its group), so the sibling can run."""
+    sched = make_scheduler(num_blocks=6, block_size=4)  # 5 usable blocks
+    a = make_request("a", 12)
+    sched.add_request(a)
+    run_step(sched)  # a: 12 prompt tokens in blocks 1..3, one token out
+    a.output_token_ids.pop()
+    a.all_token_ids.pop()  # idle: nothing to compute
+    b = make_request("b", 12)
+    sched.add_request(b)  # needs 3 blocks, 2 are free
+    out = sched.schedule()
+    assert shape(out) == [("b", 12)]
+    assert out.preempted_request_ids == ["a"]
+    assert [r.request_id for r in sched.waiting] == ["a"] and a.num_computed_tokens == 0
+    assert sched.kv_cache.get_block_ids("a") == []

@@ -1,7 +1,7 @@
 """tokenmill: a small, fast LLM inference engine."""
 
-from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -16,4 +16,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+    "__version__",
+]

@@ -10,8 +10,8 @@ from tqdm.auto import tqdm
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine, PromptInput
 from tokenmill.errors import InvalidRequestError
-from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -65,12 +65,45 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self._run(prompts, _per_prompt_params(sampling_params, len(prompts)), use_tqdm)
 
-    def _run(self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search, as vLLM's LLM.beam_search: one BeamSearchOutput per prompt, in prompt order, each with
+        the beam_width best sequences (best first; tokens and text include the prompt)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"beam_search needs BeamSearchParams, got {type(params).__name__}")
+        inputs = _normalize_prompts(prompts, None)
         engine = self.llm_engine
+        outputs = self._run(inputs, [params] * len(inputs), use_tqdm, engine.add_beam_search_request)
+        tokenizer = self.get_tokenizer()
+        results = []
+        for out in outputs:
+            sequences = []
+            for c in out.outputs:
+                tokens = list(out.prompt_token_ids) + list(c.token_ids)
+                sequences.append(
+                    BeamSearchSequence(
+                        tokens=tokens,
+                        cum_logprob=c.cumulative_logprob,
+                        text=tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+            results.append(BeamSearchOutput(sequences=sequences))
+        return results
+
+    def _run(self, prompts: list[PromptInput], params: list, use_tqdm: bool, add_request=None) -> list[RequestOutput]:
+        engine = self.llm_engine
+        add_request = add_request or engine.add_request
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(prompt, p))
+                ids.append(add_request(prompt, p))
         except Exception:
             for request_id in ids:  # all or nothing: a bad prompt leaves no request behind
                 engine.abort_request(request_id)

@@ -6,6 +6,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """A token's logprob, its rank among all tokens (1 = most likely) and its text, as vLLM's Logprob."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: the sampled token and the top-k alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+# None for the first prompt token, then one dict per prompt token: the actual token and the top-k.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -27,3 +42,22 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: list | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One hypothesis of LLM.beam_search, as vLLM's: tokens and text include the prompt."""
+
+    tokens: list[int]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (EOS) | "length"
+    stop_reason: int | str | None = None
+    logprobs: list = field(default_factory=list)
+
+
+@dataclass
+class BeamSearchOutput:
+    """LLM.beam_search's result for one prompt: the best beam_width sequences, best first."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -14,12 +15,15 @@ import torch
 from tokenmill.config import EngineConfig, resolve_device, resolve_dtype
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, cdiv
-from tokenmill.engine.request import Request
+from tokenmill.engine.logprobs import LogprobsProcessor, check_token_controls
+from tokenmill.engine.beam_search import BeamSearchGroup, beam_sampling_params
+from tokenmill.engine.request import Request, RequestStatus, SequenceGroup
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import InvalidRequestError, PromptTooLongError
 from tokenmill.loader import build_model, load_model_source
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -84,6 +88,10 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._rng = random.Random(config.model.seed)
         self._ids = itertools.count()
+        self._logprobs = LogprobsProcessor(self.tokenizer)
+        # n > 1 / best_of and beam-search requests, by the user's request id, until all their sequences end.
+        self._groups: dict[str, SequenceGroup] = {}
+        self._structured: StructuredOutputManager | None = None  # made for the first structured_outputs request
         logger.info(
             "loaded %s (%s, %s on %s); KV cache: %d blocks of %d tokens",
             self.model_name, self.hf_config.architectures[0], self.dtype, self.device, num_blocks, block_size,
@@ -140,6 +148,9 @@ class LLMEngine:
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()
         _reject_unimplemented(params)
+        bad_words_token_ids = check_token_controls(params, self.tokenizer, self.vocab_size)
+        if params.structured_outputs is not None:  # compiled (or found in the cache) before anything runs
+            self.structured_output_manager().compile(params.structured_outputs)
         text, token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
@@ -158,13 +169,53 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             prompt=text,
+            bad_words_token_ids=bad_words_token_ids,
         )
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.num_sequences > 1:  # the scheduler forks the other sequences off it once the prompt is in
+            request.group = SequenceGroup(request_id, params.num_sequences, sequences=[request])
         self.scheduler.add_request(request)
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+        if request.group is not None:
+            self._groups[request_id] = request.group
+        return request_id
+
+    def add_beam_search_request(self, prompt: PromptInput, params: BeamSearchParams, request_id: str | None = None) -> str:
+        """Start a beam search (LLM.beam_search): its result is one finished RequestOutput whose outputs are
+        the beam_width best hypotheses, best first (token_ids, text, cumulative_logprob, finish_reason)."""
+        text, token_ids = self.tokenize_prompt(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens, but the context length is {self.max_model_len} "
+                "tokens, which must also hold at least one generated token"
+            )
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._groups or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        root = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=beam_sampling_params(params),
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            prompt=text,
+        )
+        group = BeamSearchGroup(request_id, root, params, min(params.max_tokens, self.max_model_len - len(token_ids)))
+        self.scheduler.add_request(root)
+        self._groups[request_id] = group
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        group = self._groups.get(request_id)
+        if group is not None:  # every sequence of an n > 1 / best_of / beam-search request
+            if isinstance(group, BeamSearchGroup):
+                group.abort(self.scheduler)
+                return self._make_beam_output(group)
+            for sequence in group.sequences:
+                self.scheduler.abort_request(sequence.request_id)
+            return self._make_group_output(group)
         request = self.scheduler.abort_request(request_id)
         if request is None:
             return None
@@ -194,26 +245,124 @@ class LLMEngine:
                 # Every request fits the cache alone (max_model_len <= capacity), so this is a bug, not a wait.
                 raise RuntimeError("the scheduler could not admit any waiting request into an empty batch")
             return []
-        sampled = self.runner.execute(scheduled.chunks)
-        updated, _ = self.scheduler.update(scheduled, sampled)
+        self.runner.copy_blocks(scheduled.block_copies)  # copy-on-write of blocks shared by forked sequences
+        if self._structured is None:
+            sampled = self.runner.execute(scheduled.chunks)
+        else:
+            bitmask = self._structured.bitmask(scheduled.chunks, self.scheduler.requests)
+            sampled = self.runner.execute(scheduled.chunks, grammar_bitmask=bitmask)
+        updated, _ = self.scheduler.update(scheduled, sampled.sampled_token_ids)
+        self._logprobs.record(scheduled.chunks, sampled, updated, self.scheduler.requests)
+        if self._structured is not None:
+            self._accept_structured(updated)
         outputs = []
+        groups: list[SequenceGroup] = []  # n > 1 / best_of and beam-search requests touched this step
         for request in updated:
-            detok = self._detokenizers.get(request.request_id)
-            if detok is not None:
-                detok.add_token(request.output_token_ids[-1])
+            if request.group is not None and request.group.kind == "beam":
+                request.group.take_candidates(request)
+            else:
+                self._detokenize(request)
+            if request.group is not None:
+                if all(g is not request.group for g in groups):
+                    groups.append(request.group)
+                continue
             outputs.append(self._make_output(request))
             if request.is_finished:
                 self._detokenizers.pop(request.request_id, None)
+        for group in groups:
+            if not isinstance(group, BeamSearchGroup):
+                outputs.append(self._make_group_output(group))
+            elif group.ready():
+                group.advance(self.scheduler, self.eos_token_ids)
+                if group.finished:
+                    outputs.append(self._make_beam_output(group))
         return outputs
+
+    def _make_group_output(self, group: SequenceGroup) -> RequestOutput:
+        """One output for all sequences of an n > 1 / best_of request; with best_of, the n of highest
+        cumulative logprob. Finished when every sequence is."""
+        sequences = group.sequences
+        outputs = [self._make_output(s) for s in sequences]
+        completions = [o.outputs[0] for o in outputs]
+        n = sequences[0].sampling_params.n
+        if len(completions) > n:
+            order = sorted(range(len(sequences)), key=lambda i: -sequences[i].cumulative_logprob)
+            completions = [completions[i] for i in order[:n]]
+        for index, completion in enumerate(completions):
+            completion.index = index
+        finished = all(s.is_finished for s in sequences)
+        if finished:
+            for s in sequences:
+                self._detokenizers.pop(s.request_id, None)
+            self._groups.pop(group.request_id, None)
+        return dataclasses.replace(outputs[0], request_id=group.request_id, outputs=completions, finished=finished)
+
+    def _make_beam_output(self, group: BeamSearchGroup) -> RequestOutput:
+        self._groups.pop(group.request_id, None)
+        completions = []
+        for index, hyp in enumerate(group.best()):
+            text = self.tokenizer.decode(hyp.token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=list(hyp.token_ids),
+                    cumulative_logprob=hyp.cum_logprob,
+                    finish_reason=hyp.finish_reason,
+                    stop_reason=hyp.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.root.prompt,
+            prompt_token_ids=group.root.prompt_token_ids,
+            outputs=completions,
+            finished=True,
+        )
+
+    def structured_output_manager(self) -> StructuredOutputManager:
+        if self._structured is None:
+            self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return self._structured
+
+    def _accept_structured(self, updated: list[Request]) -> None:
+        """Advance each constrained request's grammar; one whose grammar has ended (took EOS) stops."""
+        for request in updated:
+            if request.sampling_params.structured_outputs is None:
+                continue
+            if not self._structured.accept(request, request.output_token_ids[-1]):
+                continue
+            if not request.is_finished:  # ignore_eos or min_tokens kept it going: the grammar ends it
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            elif request.status == RequestStatus.FINISHED_LENGTH:  # the last allowed token also hit max_tokens
+                request.status = RequestStatus.FINISHED_STOPPED
+
+    def _detokenize(self, request: Request) -> None:
+        """Bring the request's text up to date; a matched stop string finishes it."""
+        if self.tokenizer is None:
+            return
+        detok = self._detokenizers.get(request.request_id)
+        if detok is None:  # created on first output, so forked sequences get their own
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params)
+            self._detokenizers[request.request_id] = detok
+        stop = detok.add_tokens(request.output_token_ids[detok.num_tokens :])
+        if stop is None:
+            return
+        if request.is_finished:  # the same token also hit max_tokens or EOS: the stop string wins, as in vLLM
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        else:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
 
     def _make_output(self, request: Request) -> RequestOutput:
         detok = self._detokenizers.get(request.request_id)
         completion = CompletionOutput(
             index=0,
-            text=detok.text if detok is not None else "",
+            text=detok.output_text(request.is_finished) if detok is not None else "",
             token_ids=list(request.output_token_ids),
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
+            cumulative_logprob=request.cumulative_logprob,
+            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
         )
         return RequestOutput(
             request_id=request.request_id,
@@ -221,23 +370,13 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=request.is_finished,
+            prompt_logprobs=(list(request.prompt_logprobs) or [None]) if request.sampling_params.prompt_logprobs is not None else None,
         )
 
 
 def _reject_unimplemented(params: SamplingParams) -> None:
     """Parameters that validate but have no implementation yet are refused, never silently ignored."""
     unimplemented = {
-        "n > 1 / best_of": params.num_sequences > 1,
-        "presence_penalty / frequency_penalty / repetition_penalty": bool(
-            params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-        ),
-        "logit_bias": bool(params.logit_bias),
-        "allowed_token_ids": params.allowed_token_ids is not None,
-        "bad_words": bool(params.bad_words),
-        "logprobs": params.logprobs is not None,
-        "prompt_logprobs": params.prompt_logprobs is not None,
-        "stop": bool(params.stop),
-        "structured_outputs": params.structured_outputs is not None,
     }
     missing = [name for name, used in unimplemented.items() if used]
     if missing:

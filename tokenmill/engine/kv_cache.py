@@ -57,6 +57,14 @@ class BlockPool:
             out.append(block)
         return out
 
+    def share_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Add one reference to each block (a forked sequence now holds them too)."""
+        for block in blocks:
+            if block is self.null_block or block.ref_cnt < 1:
+                raise RuntimeError(f"block {block.block_id} is not held by anyone and cannot be shared")
+        for block in blocks:
+            block.ref_cnt += 1
+
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks that reach zero join the back of the free list in the order given.
 
@@ -85,6 +93,9 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Copy-on-write: (src, dst) block copies owed before the next forward pass, per request
+        # (a request freed before the pass, e.g. preempted, drops its own).
+        self._pending_copies: dict[str, list[tuple[int, int]]] = {}
 
     @property
     def capacity_tokens(self) -> int:
@@ -97,18 +108,57 @@ class KVCacheManager:
         have = len(self.req_to_blocks.get(request.request_id, ()))
         return max(0, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - have)
 
+    def _shared_blocks_written(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Indices in the block table of blocks the next num_new_tokens tokens write into while others hold them too."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks or num_new_tokens <= 0:
+            return []
+        first = request.num_computed_tokens // self.block_size
+        last = min((request.num_computed_tokens + num_new_tokens - 1) // self.block_size, len(blocks) - 1)
+        return [i for i in range(first, last + 1) if blocks[i].ref_cnt > 1]
+
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for num_new_tokens more tokens of the request; False (and no change) if blocks run out."""
+        """Make room for num_new_tokens more tokens of the request; False (and no change) if blocks run out.
+
+        A block the new tokens write into that is shared with a forked sequence is copied on
+        write: the request gets a fresh block, the copy (src, dst) is queued for the runner
+        (take_block_copies), and the shared block loses this request's reference.
+        """
         need = self.num_blocks_needed(request, num_new_tokens)
-        if need > self.pool.num_free_blocks:
+        cow = self._shared_blocks_written(request, num_new_tokens)
+        if need + len(cow) > self.pool.num_free_blocks:
             return False
+        if cow:
+            blocks = self.req_to_blocks[request.request_id]
+            released = []
+            for index, fresh in zip(cow, self.pool.get_new_blocks(len(cow))):
+                if index * self.block_size < request.num_computed_tokens:  # it holds computed tokens: copy them
+                    self._pending_copies.setdefault(request.request_id, []).append((blocks[index].block_id, fresh.block_id))
+                released.append(blocks[index])
+                blocks[index] = fresh
+            self.pool.free_blocks(released)
         if need:
             self.req_to_blocks.setdefault(request.request_id, []).extend(self.pool.get_new_blocks(need))
         else:
             self.req_to_blocks.setdefault(request.request_id, [])
         return True
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent's table (one more reference each)."""
+        if child.request_id in self.req_to_blocks:
+            raise RuntimeError(f"request {child.request_id!r} already has KV blocks")
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        self.pool.share_blocks(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) copy-on-write block copies queued since the last call, to run before the next forward pass."""
+        copies = [pair for pairs in self._pending_copies.values() for pair in pairs]
+        self._pending_copies.clear()
+        return copies
+
     def free(self, request: Request) -> None:
+        self._pending_copies.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, [])
         # Tail blocks first, so a request's prefix stays cached longest (evicted last).
         self.pool.free_blocks(list(reversed(blocks)))

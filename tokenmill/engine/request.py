@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -47,6 +48,19 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # bad_words as token-id sequences (tokenized by the engine at add_request, as vLLM does).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # Logprobs (vLLM's shapes): the sum of the sampled tokens' logprobs (always kept); one dict
+    # token id -> Logprob per output token when params.logprobs is set; [None] + one dict per
+    # later prompt token when params.prompt_logprobs is set.
+    cumulative_logprob: float = 0.0
+    output_logprobs: list = field(default_factory=list, repr=False)
+    prompt_logprobs: list = field(default_factory=list, repr=False)
+    # The grammar matcher of a structured_outputs request (engine/structured_output.py), made on first use.
+    structured_output: Any = field(default=None, repr=False)
+    # Parallel sampling / beam search: the group this sequence belongs to and its index in it.
+    group: "SequenceGroup | None" = field(default=None, repr=False)
+    seq_index: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -66,6 +80,37 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def awaiting_fork(self) -> bool:
+        """The first sequence of an n > 1 / best_of group before it splits: its prompt is prefilled
+        up to the last token, which each sequence then computes (and samples after) on its own."""
+        group = self.group
+        return group is not None and group.kind == "sample" and not group.forked
+
+    def fork(self, request_id: str, seq_index: int, sampling_seed: int | None = None) -> "Request":
+        """A new sequence with this one's tokens (the KV blocks are shared by KVCacheManager.fork)."""
+        child = Request(
+            request_id=request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params,
+            sampling_seed=self.sampling_seed if sampling_seed is None else sampling_seed,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            prompt=self.prompt,
+            arrival_time=self.arrival_time,
+            output_token_ids=list(self.output_token_ids),
+            num_computed_tokens=self.num_computed_tokens,
+            status=self.status,
+            bad_words_token_ids=self.bad_words_token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            output_logprobs=list(self.output_logprobs),
+            prompt_logprobs=self.prompt_logprobs,
+            group=self.group,
+            seq_index=seq_index,
+        )
+        child.all_token_ids = list(self.all_token_ids)
+        return child
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -90,3 +135,35 @@ class Request:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The sequences one user request becomes: n > 1 / best_of samples (kind "sample"), or beams.
+
+    A "sample" group starts as one request (sequence 0); once its prompt is in the cache up to
+    the last token, the scheduler forks the other sequences off it, sharing its KV blocks.
+    """
+
+    request_id: str  # the user's request id (sequence 0 has it too)
+    size: int  # sequences generated
+    kind: str = "sample"  # "sample" | "beam"
+    sequences: list[Request] = field(default_factory=list)  # by sequence index
+    forked: bool = False
+
+    def child_id(self, index: int) -> str:
+        return f"{self.request_id}#{index}"
+
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The random stream of sequence `index` of a group: sequence 0 keeps the request's seed, the
+    others get distinct seeds derived from it (splitmix64), so a seeded request stays reproducible."""
+    if index == 0:
+        return seed
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 31)) & _SEED_MASK

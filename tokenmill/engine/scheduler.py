@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request import Request, RequestStatus, sequence_seed
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -36,12 +36,17 @@ class ScheduledChunk:
     # Tokens the sampler must not pick for this sample: EOS (unless ignore_eos) and the stop
     # token ids while fewer than min_tokens tokens are out, as vLLM's min_tokens does.
     banned_token_ids: tuple[int, ...] = ()
+    # bad_words as token-id sequences: the sampler bans a word's last token when the rest ends the output.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Copy-on-write of KV blocks shared by forked sequences: (src, dst) block ids, to copy in
+    # every layer before the forward pass.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -67,8 +72,51 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.awaiting_fork and request.num_tokens - 1 <= request.num_computed_tokens:
+            self._fork_sequences(request)  # a one-token prompt: nothing to prefill before the split
+
+    # -- forked sequences (n > 1 / best_of, beam search) ------------------
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Add `child`, a copy of `parent`'s tokens, sharing the parent's KV blocks; it is queued right after the parent."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        self.kv_cache.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.requests[child.request_id] = child
+        if parent.status == RequestStatus.RUNNING:
+            child.status = RequestStatus.RUNNING
+            self.running.insert(self.running.index(parent) + 1, child)
+        else:
+            child.status = parent.status
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
+
+    def _fork_sequences(self, parent: Request) -> None:
+        """Split an n > 1 / best_of request into its sequences; each gets its own random stream."""
+        group = parent.group
+        group.forked = True
+        for index in range(group.size - 1, 0, -1):  # inserted right after the parent: last first keeps them in order
+            child = parent.fork(group.child_id(index), index, sequence_seed(parent.sampling_seed, index))
+            self.fork_request(parent, child)
+            group.sequences.append(child)
+        group.sequences[1:] = sorted(group.sequences[1:], key=lambda r: r.seq_index)
+
+    def _last_idle(self) -> int | None:
+        """Index in running of the last request with nothing to compute (a beam waiting for its siblings)."""
+        for i in range(len(self.running) - 1, -1, -1):
+            if self._num_new_tokens(self.running[i]) == 0:
+                return i
+        return None
+
+    @staticmethod
+    def _num_new_tokens(request: Request) -> int:
+        """Tokens of the request without KV; a request about to fork holds its last prompt token back."""
+        return request.num_tokens - request.num_computed_tokens - (1 if request.awaiting_fork else 0)
 
     def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> Request | None:
+        """End a request from outside a step (an abort, a stop string): free its blocks at once."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -77,7 +125,9 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache.free(request)
-        request.status = RequestStatus.FINISHED_ABORTED
+        request.status = status
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
         return request
 
     def has_unfinished_requests(self) -> bool:
@@ -100,8 +150,18 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._num_new_tokens(request), budget)
+            if num_new == 0:  # a beam waiting for its siblings' candidates
+                index += 1
+                continue
             while not self.kv_cache.allocate_slots(request, num_new):
+                idle = self._last_idle()
+                if idle is not None:  # a beam waiting for its siblings goes first (its group keeps its candidates)
+                    victim = self.running.pop(idle)
+                    index -= idle < index
+                    self._preempt(victim, to_front=False)
+                    preempted.append(victim)
+                    continue
                 victim = self.running.pop()  # lowest priority: admitted last
                 self._preempt(victim)
                 preempted.append(victim)
@@ -118,12 +178,20 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                num_new = request.num_tokens - request.num_computed_tokens
+                num_new = self._num_new_tokens(request)
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
                 if not self.kv_cache.allocate_slots(request, num_new):
-                    break
+                    idle = self._last_idle()
+                    if scheduled or idle is None:
+                        break
+                    # Nothing runs but beams waiting for this one, and they hold the memory it needs:
+                    # preempt one (its candidates are kept by its group) to the back of the queue.
+                    victim = self.running.pop(idle)
+                    self._preempt(victim, to_front=False)
+                    preempted.append(victim)
+                    continue
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
@@ -131,7 +199,11 @@ class Scheduler:
                 budget -= num_new
 
         chunks = [self._make_chunk(request, num_new) for request, num_new in scheduled]
-        return SchedulerOutput(chunks=chunks, preempted_request_ids=[r.request_id for r in preempted])
+        return SchedulerOutput(
+            chunks=chunks,
+            preempted_request_ids=[r.request_id for r in preempted],
+            block_copies=self.kv_cache.take_block_copies(),
+        )
 
     def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -148,6 +220,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             banned_token_ids=self._banned_token_ids(request) if end == request.num_tokens else (),
+            bad_words_token_ids=request.bad_words_token_ids,
         )
 
     @staticmethod
@@ -160,13 +233,16 @@ class Scheduler:
             banned |= request.eos_token_ids
         return tuple(sorted(banned))
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, to_front: bool = True) -> None:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if to_front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def update(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> tuple[list[Request], list[Request]]:
         """Apply a step's results. Returns (requests that got a new token, requests that finished)."""
@@ -179,6 +255,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(chunk.token_ids)
+            if request.awaiting_fork and request.num_computed_tokens == request.num_tokens - 1:
+                self._fork_sequences(request)
             if not chunk.sample:
                 continue
             assert token_id is not None

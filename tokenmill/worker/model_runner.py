@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import nn
@@ -9,7 +11,7 @@ from torch import nn
 from tokenmill.engine.scheduler import ScheduledChunk
 from tokenmill.layers.attention import Attention
 from tokenmill.worker.batch import BatchInputs
-from tokenmill.worker.sampler import Sampler, SamplingMetadata
+from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
 
 
 class ModelRunner:
@@ -48,13 +50,125 @@ class ModelRunner:
         return torch.from_numpy(raw).view(self.dtype)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
-        """One forward pass over the mixed batch; a sampled token for each chunk that ends its request's tokens."""
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of shared KV blocks: block dst := block src in every layer's K and V, all pairs at once.
+
+        The sources are gathered before any destination is written, so a block freed and reused in
+        the same step (a source that is also a destination) still gives its old contents.
+        """
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=self.device)
+        for layer in self.attn_layers:
+            for cache in (layer.k_cache, layer.v_cache):
+                cache.index_copy_(0, dst, cache.index_select(0, src))
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk], grammar_bitmask: torch.Tensor | None = None) -> "ModelRunnerOutput":
+        """One forward pass over the mixed batch; a sampled token for each chunk that ends its request's tokens,
+        with its logprob, and the logprobs asked for (of sampled tokens, of prompt tokens).
+
+        grammar_bitmask: structured output's allowed tokens, one row per sampling chunk (in order).
+        """
         batch = BatchInputs.build(chunks, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch)
-        sampling_chunks = [c for c in chunks if c.sample]
-        if not sampling_chunks:
-            return [None] * len(chunks)
+        result = ModelRunnerOutput.empty(len(chunks))
+        self._prompt_logprobs(chunks, hidden, result)
+        sample_rows = [i for i, c in enumerate(chunks) if c.sample]
+        if not sample_rows:
+            return result
+        sampling_chunks = [chunks[i] for i in sample_rows]
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        tokens = iter(self.sampler(logits, SamplingMetadata.from_chunks(sampling_chunks, self.device)).tolist())
-        return [next(tokens) if c.sample else None for c in chunks]
+        meta = SamplingMetadata.from_chunks(sampling_chunks, self.device)
+        if grammar_bitmask is not None:
+            meta.grammar_bitmask = grammar_bitmask.to(self.device)
+        out = self.sampler.sample(logits, meta)
+        tokens = out.token_ids.tolist()
+        token_logprobs = out.logprobs.token_logprobs.tolist()
+        wanted = [j for j, c in enumerate(sampling_chunks) if c.sampling_params.logprobs is not None]
+        lists = _logprobs_lists(out.token_ids, out.logprobs, wanted)
+        for j, i in enumerate(sample_rows):
+            result.sampled_token_ids[i] = tokens[j]
+            result.sampled_logprobs[i] = token_logprobs[j]
+        for j, entry in zip(wanted, lists):
+            result.logprobs[sample_rows[j]] = entry
+        return result
+
+    def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, result: "ModelRunnerOutput") -> None:
+        """Logprobs of the prompt tokens this step's chunks predict, for requests with prompt_logprobs.
+
+        A chunk over positions [start, end) predicts the tokens at start + 1 .. end; those that are prompt
+        tokens (index < num_prompt_tokens) are scored. The engine keeps each index once, so a recomputed
+        (preempted) request adds nothing twice.
+        """
+        offset = 0
+        jobs = []  # (chunk index, first hidden row, first prompt index predicted, count)
+        for i, c in enumerate(chunks):
+            k = c.sampling_params.prompt_logprobs
+            count = min(c.start_pos + len(c.token_ids), len(c.prompt_token_ids) - 1) - c.start_pos
+            if k is not None and count > 0:
+                jobs.append((i, offset, c.start_pos + 1, count))
+            offset += len(c.token_ids)
+        if not jobs:
+            return
+        max_k = max(chunks[i].sampling_params.prompt_logprobs for i, *_ in jobs)
+        rows = torch.from_numpy(np.concatenate([np.arange(r, r + n) for _, r, _, n in jobs])).to(self.device)
+        targets = torch.tensor(
+            [t for i, _, first, n in jobs for t in chunks[i].prompt_token_ids[first : first + n]], dtype=torch.int64, device=self.device
+        )
+        pieces = []
+        for lo in range(0, len(rows), _PROMPT_LOGPROBS_ROWS):  # bounded [rows, vocab] logits at a time
+            logits = self.model.compute_logits(hidden[rows[lo : lo + _PROMPT_LOGPROBS_ROWS]])
+            pieces.append(compute_logprobs(logits, targets[lo : lo + _PROMPT_LOGPROBS_ROWS], max_k))
+        lp = LogprobsTensors(*(torch.cat([getattr(p, f) for p in pieces]) for f in ("token_logprobs", "ranks", "topk_ids", "topk_logprobs")))
+        flat = _logprobs_lists(targets, lp, range(len(targets)))
+        lo = 0
+        for i, _, first, n in jobs:
+            result.prompt_logprobs[i] = PromptLogprobsChunk(first_index=first, positions=flat[lo : lo + n])
+            lo += n
+
+
+# Prompt positions whose logits are materialized at once for prompt_logprobs.
+_PROMPT_LOGPROBS_ROWS = 512
+
+
+@dataclass
+class PositionLogprobs:
+    """One position's logprobs: token_ids[0] is the actual token (its rank in rank), then the top-k, most likely first."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class PromptLogprobsChunk:
+    first_index: int  # prompt index of the token positions[0] scores
+    positions: list[PositionLogprobs]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results, one entry per scheduled chunk (None where it does not apply)."""
+
+    sampled_token_ids: list[int | None]
+    sampled_logprobs: list[float | None]  # raw logprob of each sampled token, always
+    logprobs: list[PositionLogprobs | None]  # only for requests with params.logprobs
+    prompt_logprobs: list[PromptLogprobsChunk | None]  # only for requests with params.prompt_logprobs
+
+    @classmethod
+    def empty(cls, n: int) -> "ModelRunnerOutput":
+        return cls([None] * n, [None] * n, [None] * n, [None] * n)
+
+
+def _logprobs_lists(token_ids: torch.Tensor, lp: LogprobsTensors, rows) -> list[PositionLogprobs]:
+    """PositionLogprobs for the given rows, with one transfer to Python lists."""
+    rows = list(rows)
+    if not rows:
+        return []
+    index = torch.tensor(rows, dtype=torch.int64, device=token_ids.device)
+    ids = torch.cat([token_ids[index, None], lp.topk_ids[index]], dim=1).tolist()
+    values = torch.cat([lp.token_logprobs[index, None], lp.topk_logprobs[index]], dim=1).tolist()
+    ranks = lp.ranks[index].tolist()
+    return [PositionLogprobs(i, v, r) for i, v, r in zip(ids, values, ranks)]

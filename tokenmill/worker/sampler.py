@@ -1,7 +1,16 @@
-"""Batched sampling on tensors: greedy, temperature, min-p, top-k, top-p, per-request seeds.
+"""Batched sampling on tensors: penalties, logit bias, allowed / banned tokens, greedy,
+temperature, min-p, top-k, top-p, per-request seeds, logprobs.
 
-The order is vLLM's: banned tokens (min_tokens) are masked first, so greedy rows honour
-them too; then temperature, min-p, and top-k / top-p on what is left.
+The order is vLLM's: on the raw logits first allowed_token_ids, bad words and the min_tokens
+ban (masks), then logit_bias, then the repetition / frequency / presence penalties, so
+greedy rows honour all of them too; then temperature, min-p, and top-k / top-p on what is left.
+Every step of it is one tensor operation over the whole batch; per-request data reaches it
+as flat index tensors (row, token id) built once per step.
+
+Logprobs follow vLLM v1's default ``raw_logprobs``: log-softmax of the raw model logits,
+before any penalty, mask or temperature. The sampled token's logprob is computed for every
+row (cheap; cumulative_logprob, best_of and beam search need it); its rank and the top-k
+alternatives only for rows that ask for logprobs.
 
 Randomness comes from a counter-based hash of (request seed, output index, token id), so a
 request's sample depends only on its own seed and position: never on the other requests in
@@ -11,7 +20,9 @@ the batch, and a preempted request resumes with the same tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -21,7 +32,6 @@ _MASK31 = 0x7FFFFFFF
 _HASH_MUL = 0x45D9F3B  # < 2**31, so a 31-bit value times it stays inside int64
 # Arbitrary 31-bit constants that keep the seed, step and token streams apart.
 _SALT_SEED, _SALT_STEP, _SALT_ROW, _SALT_TOKEN = 0x2545F491, 0x6A09E667 & _MASK31, 0x3C6EF372, 0x510E527F
-
 
 def _mix31(x: torch.Tensor) -> torch.Tensor:
     """A 31-bit integer hash (xorshift-multiply rounds); int64 in, int64 in [0, 2**31) out.
@@ -60,6 +70,28 @@ def _to_int64(seed: int) -> int:
     return ((seed + (1 << 63)) % (1 << 64)) - (1 << 63)
 
 
+def _flat_pairs(rows: list[int], lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(row index, token id) pairs for every token of every list, flattened with numpy."""
+    lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
+    total = int(lengths.sum())
+    ids = np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=total)
+    return np.repeat(np.asarray(rows, dtype=np.int64), lengths), ids
+
+
+def banned_bad_words(bad_words_token_ids, output_token_ids) -> list[int]:
+    """vLLM's bad words rule: a word's last token is banned when its other tokens end the output so far
+    (a one-token word is always banned)."""
+    banned = []
+    num_out = len(output_token_ids)
+    for word in bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix > num_out:
+            continue
+        if prefix == 0 or output_token_ids[num_out - prefix :] == list(word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
 @dataclass
 class SamplingMetadata:
     temperature: torch.Tensor  # [B] float32; 0 = greedy
@@ -72,9 +104,35 @@ class SamplingMetadata:
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
-    # Token ids each row must not sample (EOS and stop tokens before min_tokens): row / column indices.
+    # Token ids each row must not sample (EOS and stop tokens before min_tokens, bad words): row / column indices.
     banned_rows: torch.Tensor | None = None
     banned_cols: torch.Tensor | None = None
+    # allowed_token_ids: the rows that are restricted, and the (row, token id) pairs they keep.
+    allowed_restricted_rows: torch.Tensor | None = None
+    allowed_rows: torch.Tensor | None = None
+    allowed_cols: torch.Tensor | None = None
+    # logit_bias as (row, token id, bias) triples.
+    bias_rows: torch.Tensor | None = None
+    bias_cols: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    # Penalties ([B] each; None when no row uses any) and the token history they count:
+    # output tokens of every penalized row, prompt tokens of rows with a repetition penalty.
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    output_rows: torch.Tensor | None = None
+    output_ids: torch.Tensor | None = None
+    prompt_rows: torch.Tensor | None = None
+    prompt_ids: torch.Tensor | None = None
+    # Logprobs: the largest top-k any row asks for (None: no row asks; 0: only the sampled token's rank).
+    max_num_logprobs: int | None = None
+    # Structured output: xgrammar's packed bitmask, int32 [B, ceil(V / 32)], bit j of word i set when
+    # token 32 * i + j is allowed. Set by the runner; applied before everything else, as in vLLM.
+    grammar_bitmask: torch.Tensor | None = None
+
+    @property
+    def use_penalties(self) -> bool:
+        return self.presence_penalty is not None
 
     @classmethod
     def from_chunks(cls, chunks: list[ScheduledChunk], device: torch.device) -> "SamplingMetadata":
@@ -85,10 +143,15 @@ class SamplingMetadata:
         min_p = [p.min_p for p in params]
 
         def t(values, dtype):
+            if isinstance(values, np.ndarray):
+                return torch.from_numpy(values).to(device=device, dtype=dtype)
             return torch.tensor(values, dtype=dtype, device=device)
 
         banned = [(i, tok) for i, c in enumerate(chunks) for tok in c.banned_token_ids]
-        return cls(
+        for i, c in enumerate(chunks):
+            if c.bad_words_token_ids and c.sample:
+                banned.extend((i, tok) for tok in banned_bad_words(c.bad_words_token_ids, c.output_token_ids))
+        meta = cls(
             temperature=t(temperature, torch.float32),
             top_k=t(top_k, torch.int64),
             top_p=t(top_p, torch.float32),
@@ -102,6 +165,121 @@ class SamplingMetadata:
             banned_rows=t([i for i, _ in banned], torch.int64) if banned else None,
             banned_cols=t([tok for _, tok in banned], torch.int64) if banned else None,
         )
+
+        restricted = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        if restricted:
+            rows, cols = _flat_pairs(restricted, [params[i].allowed_token_ids for i in restricted])
+            meta.allowed_restricted_rows = t(restricted, torch.int64)
+            meta.allowed_rows, meta.allowed_cols = t(rows, torch.int64), t(cols, torch.int64)
+
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            rows, cols = _flat_pairs(biased, [list(params[i].logit_bias) for i in biased])
+            values = list(chain.from_iterable(params[i].logit_bias.values() for i in biased))
+            meta.bias_rows, meta.bias_cols = t(rows, torch.int64), t(cols, torch.int64)
+            meta.bias_values = t(values, torch.float32)
+
+        penalized = [
+            i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+        ]
+        if penalized:
+            meta.presence_penalty = t([p.presence_penalty for p in params], torch.float32)
+            meta.frequency_penalty = t([p.frequency_penalty for p in params], torch.float32)
+            meta.repetition_penalty = t([p.repetition_penalty for p in params], torch.float32)
+            rows, ids = _flat_pairs(penalized, [chunks[i].output_token_ids for i in penalized])
+            meta.output_rows, meta.output_ids = t(rows, torch.int64), t(ids, torch.int64)
+            repeat = [i for i in penalized if params[i].repetition_penalty != 1.0]
+            if repeat:
+                rows, ids = _flat_pairs(repeat, [chunks[i].prompt_token_ids for i in repeat])
+                meta.prompt_rows, meta.prompt_ids = t(rows, torch.int64), t(ids, torch.int64)
+
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        meta.max_num_logprobs = max(wanted) if wanted else None
+        return meta
+
+
+# -- logits processors (vLLM's order: allowed, banned, bias, penalties) --------------------------------
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """Tokens whose bit is clear in the row's packed bitmask get -inf (a row of all ones is untouched)."""
+    if bitmask is None:
+        return logits
+    bitmask = bitmask.to(device=logits.device, dtype=torch.int32)
+    if logits.dtype == torch.float32 and bitmask.shape[1] * 32 >= logits.shape[-1]:
+        try:  # xgrammar's kernel (C++ on CPU, CUDA/Triton on GPU): several times faster than the torch ops below
+            from xgrammar import apply_token_bitmask_inplace
+        except ImportError:
+            pass
+        else:
+            out = logits.clone()
+            apply_token_bitmask_inplace(out, bitmask, vocab_size=logits.shape[-1])
+            return out
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.to(device=logits.device, dtype=torch.int32)[:, :, None] >> shifts) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[-1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Rows with allowed_token_ids keep only those tokens; every other row is untouched."""
+    if meta.allowed_restricted_rows is None:
+        return logits
+    mask = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    mask[meta.allowed_restricted_rows] = True
+    mask[meta.allowed_rows, meta.allowed_cols] = False
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def apply_banned_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    if meta.banned_rows is None:
+        return logits
+    rows, cols = meta.banned_rows, meta.banned_cols
+    inside = cols < logits.shape[-1]
+    logits = logits.clone()
+    logits[rows[inside], cols[inside]] = float("-inf")
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    if meta.bias_rows is None:
+        return logits
+    return logits.index_put((meta.bias_rows, meta.bias_cols), meta.bias_values, accumulate=True)
+
+
+def token_bin_counts(rows: torch.Tensor, ids: torch.Tensor, num_rows: int, vocab_size: int) -> torch.Tensor:
+    """[num_rows, vocab_size] float32: how often each token id occurs in each row's list."""
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(0, rows * vocab_size + ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts.view(num_rows, vocab_size)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens (HF: positive logits divided by it, negative
+    ones multiplied), then frequency (times the count) and presence penalties over output tokens
+    (OpenAI). Rows with no penalty come back bit for bit unchanged."""
+    if not meta.use_penalties:
+        return logits
+    num_rows, vocab = logits.shape
+    output_counts = token_bin_counts(meta.output_rows, meta.output_ids, num_rows, vocab)
+    output_mask = output_counts > 0
+    if meta.prompt_rows is not None:
+        seen = output_mask | (token_bin_counts(meta.prompt_rows, meta.prompt_ids, num_rows, vocab) > 0)
+        penalty = torch.where(seen, meta.repetition_penalty[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = logits - meta.frequency_penalty[:, None] * output_counts
+    return logits - meta.presence_penalty[:, None] * output_mask
+
+
+def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Everything that may change even a greedy choice, on the raw logits, in vLLM's order."""
+    logits = apply_allowed_token_ids(logits, meta)
+    logits = apply_banned_tokens(logits, meta)
+    logits = apply_logit_bias(logits, meta)
+    return apply_penalties(logits, meta)
+
+
+# -- sampling filters ----------------------------------------------------------------------------------
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -132,20 +310,58 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
-def apply_banned_tokens(logits: torch.Tensor, meta: "SamplingMetadata") -> torch.Tensor:
-    if meta.banned_rows is None:
-        return logits
-    rows, cols = meta.banned_rows, meta.banned_cols
-    inside = cols < logits.shape[-1]
-    logits = logits.clone()
-    logits[rows[inside], cols[inside]] = float("-inf")
-    return logits
+# -- logprobs --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of one token per row: its logprob and rank (1 = most likely), and the top-k alternatives."""
+
+    token_logprobs: torch.Tensor  # [N] float32
+    ranks: torch.Tensor | None = None  # [N] int64
+    topk_ids: torch.Tensor | None = None  # [N, k] most likely first
+    topk_logprobs: torch.Tensor | None = None  # [N, k]
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int | None) -> LogprobsTensors:
+    """Log-softmax of `logits` ([N, V] float32) at `token_ids` ([N]); with num_logprobs (k >= 0) also the
+    tokens' ranks (how many tokens are at least as likely, itself included) and the k most likely tokens.
+
+    Every logprob is `logit - logsumexp(row)`, so a token's logprob is the same number wherever it shows up.
+    """
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = logits.gather(1, token_ids[:, None])
+    out = LogprobsTensors(token_logprobs=(chosen - lse)[:, 0])
+    if num_logprobs is None:
+        return out
+    out.ranks = (logits >= chosen).sum(dim=-1)
+    k = min(num_logprobs, logits.shape[-1])
+    values, ids = logits.topk(k, dim=-1)
+    out.topk_ids, out.topk_logprobs = ids, values - lse
+    return out
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] sampled token ids
+    logprobs: LogprobsTensors  # of the sampled tokens, from the raw logits
 
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """logits: [B, V] (float32, or cast to it) -> sampled token ids [B]."""
-        logits = apply_banned_tokens(logits.float(), meta)
+        return self.sample(logits, meta).token_ids
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample a token per row; with the raw logprob of each sampled token (and ranks / top-k when asked)."""
+        # The grammar mask comes first and counts as part of the model's distribution, as in vLLM
+        # (whose runner masks the logits before its sampler sees them).
+        raw = apply_grammar_bitmask(logits.float(), meta.grammar_bitmask)
+        token_ids = self._sample(apply_logits_processors(raw, meta), meta)
+        return SamplerOutput(token_ids=token_ids, logprobs=compute_logprobs(raw, token_ids, meta.max_num_logprobs))
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
             return greedy
