@@ -145,12 +145,8 @@ class LLMEngine:
             raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        params = params or SamplingParams()
-        _reject_unimplemented(params)
-        bad_words_token_ids = check_token_controls(params, self.tokenizer, self.vocab_size)
-        if params.structured_outputs is not None:  # compiled (or found in the cache) before anything runs
-            self.structured_output_manager().compile(params.structured_outputs)
+    def _servable_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """Tokenize a prompt and check that it fits the context with room for one generated token."""
         text, token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
@@ -159,6 +155,14 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but the context length is {self.max_model_len} "
                 "tokens, which must also hold at least one generated token"
             )
+        return text, token_ids
+
+    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        bad_words_token_ids = check_token_controls(params, self.tokenizer, self.vocab_size)
+        if params.structured_outputs is not None:  # compiled (or found in the cache) before anything runs
+            self.structured_output_manager().compile(params.structured_outputs)
+        text, token_ids = self._servable_prompt(prompt)
         request_id = str(next(self._ids)) if request_id is None else request_id
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         request = Request(
@@ -183,14 +187,7 @@ class LLMEngine:
     def add_beam_search_request(self, prompt: PromptInput, params: BeamSearchParams, request_id: str | None = None) -> str:
         """Start a beam search (LLM.beam_search): its result is one finished RequestOutput whose outputs are
         the beam_width best hypotheses, best first (token_ids, text, cumulative_logprob, finish_reason)."""
-        text, token_ids = self.tokenize_prompt(prompt)
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(token_ids)} tokens, but the context length is {self.max_model_len} "
-                "tokens, which must also hold at least one generated token"
-            )
+        text, token_ids = self._servable_prompt(prompt)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._groups or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -373,11 +370,3 @@ class LLMEngine:
             prompt_logprobs=(list(request.prompt_logprobs) or [None]) if request.sampling_params.prompt_logprobs is not None else None,
         )
 
-
-def _reject_unimplemented(params: SamplingParams) -> None:
-    """Parameters that validate but have no implementation yet are refused, never silently ignored."""
-    unimplemented = {
-    }
-    missing = [name for name, used in unimplemented.items() if used]
-    if missing:
-        raise InvalidRequestError(f"not supported yet: {', '.join(missing)}")
