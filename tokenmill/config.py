@@ -68,6 +68,8 @@ class CacheConfig:
     memory_fraction: float | None = None  # default: 0.9 on GPU (minus weights), 0.25 on CPU
     num_kv_blocks: int | None = None  # exact block count, for tests and experiments
     kv_cache_dtype: str = "auto"  # "auto" = model dtype; quantized KV comes later
+    # Automatic prefix caching: full blocks are hashed and reused by later requests with the same prefix.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -43,6 +43,8 @@ class EngineStats:
     kv_cache_usage: float
     num_free_blocks: int
     num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found cached
 
 
 class LLMEngine:
@@ -84,7 +86,8 @@ class LLMEngine:
                 f"must be >= max_model_len ({max_model_len})"
             )
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(sched, KVCacheManager(BlockPool(num_blocks), block_size))
+        kv_cache = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, kv_cache)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._rng = random.Random(config.model.seed)
         self._ids = itertools.count()
@@ -231,6 +234,8 @@ class LLMEngine:
             kv_cache_usage=pool.usage(),
             num_free_blocks=pool.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.kv_cache.prefix_cache_hits,
         )
 
     # -- the loop ---------------------------------------------------------

@@ -89,9 +89,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        # Prefix-cache counters, in tokens, as vLLM's metrics count them: prompt tokens looked up, and found cached.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Copy-on-write: (src, dst) block copies owed before the next forward pass, per request
         # (a request freed before the pass, e.g. preempted, drops its own).
