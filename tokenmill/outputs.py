@@ -35,6 +35,21 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to a request (time.monotonic() seconds), as vLLM's RequestMetrics.
+
+    Filled by the engine; the server's Prometheus histograms (queue time, time to first token,
+    inter-token latency, end-to-end latency) are computed from them.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None  # first step that computed any of its tokens
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -42,6 +57,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: list | None = None
+    metrics: RequestMetrics | None = None
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`tokenmill generate | chat`: the command line."""
+"""`tokenmill generate | chat | serve | bench`: the command line."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument(
+        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+        help="turn off automatic prefix caching (reuse of the KV of prompt prefixes seen before)",
+    )
+    g.add_argument("--engine-seed", dest="engine_seed", type=int, default=0, help="seed of the engine's random draws")
     g.add_argument("--verbose", "-v", action="store_true", help="log engine details to stderr")
 
 
@@ -35,11 +40,16 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def _engine(args: argparse.Namespace):
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.engine import LLMEngine
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The model and engine options, shared by every subcommand that loads a model (serve and bench too)."""
+    _add_engine_args(parser)
 
-    config = EngineConfig.from_kwargs(
+
+def engine_config_from_args(args: argparse.Namespace):
+    """The EngineConfig that the options of add_engine_args describe."""
+    from tokenmill.config import EngineConfig
+
+    return EngineConfig.from_kwargs(
         model=args.model,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
@@ -49,8 +59,15 @@ def _engine(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.engine_seed,
     )
-    return LLMEngine(config)
+
+
+def _engine(args: argparse.Namespace):
+    from tokenmill.engine.engine import LLMEngine
+
+    return LLMEngine(engine_config_from_args(args))
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -134,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
+
+    # serve and bench live with their code; each registers its own subcommand.
+    from tokenmill.bench.cli import add_bench_parser
+    from tokenmill.entrypoints.openai.cli_args import add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
