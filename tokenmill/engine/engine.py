@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import random
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,9 +14,9 @@ import psutil
 import torch
 
 from tokenmill.config import EngineConfig, resolve_device, resolve_dtype
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, cdiv
 from tokenmill.engine.logprobs import LogprobsProcessor, check_token_controls
+from tokenmill.engine.output_processor import CoreStep, OutputProcessor, SequenceUpdate
 from tokenmill.engine.beam_search import BeamSearchGroup, beam_sampling_params
 from tokenmill.engine.request import Request, RequestStatus, SequenceGroup
 from tokenmill.engine.scheduler import Scheduler
@@ -88,13 +89,14 @@ class LLMEngine:
         self.max_model_len = max_model_len
         kv_cache = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, kv_cache)
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._logprobs = LogprobsProcessor(self.tokenizer)
         # n > 1 / best_of and beam-search requests, by the user's request id, until all their sequences end.
         self._groups: dict[str, SequenceGroup] = {}
         self._structured: StructuredOutputManager | None = None  # made for the first structured_outputs request
+        self._structured_lock = threading.Lock()
         logger.info(
             "loaded %s (%s, %s on %s); KV cache: %d blocks of %d tokens",
             self.model_name, self.hf_config.architectures[0], self.dtype, self.device, num_blocks, block_size,
@@ -160,7 +162,9 @@ class LLMEngine:
             )
         return text, token_ids
 
-    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def make_request(self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Tokenize and check a request, ready for submit(). Touches no engine state but the structured-output
+        compile cache, so the async engine runs it on a worker thread while the engine loop runs."""
         params = params or SamplingParams()
         bad_words_token_ids = check_token_controls(params, self.tokenizer, self.vocab_size)
         if params.structured_outputs is not None:  # compiled (or found in the cache) before anything runs
@@ -178,14 +182,25 @@ class LLMEngine:
             prompt=text,
             bad_words_token_ids=bad_words_token_ids,
         )
-        if request_id in self._groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
         if params.num_sequences > 1:  # the scheduler forks the other sequences off it once the prompt is in
             request.group = SequenceGroup(request_id, params.num_sequences, sequences=[request])
+        return request
+
+    def submit(self, request: Request) -> None:
+        """Queue a request made by make_request (the engine loop's side of add_request)."""
+        if request.request_id in self._groups or request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         self.scheduler.add_request(request)
         if request.group is not None:
-            self._groups[request_id] = request.group
-        return request_id
+            self._groups[request.request_id] = request.group
+
+    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        request = self.make_request(prompt, params, request_id)
+        self.submit(request)
+        self.output_processor.add_request(
+            request.request_id, request.prompt, request.prompt_token_ids, request.sampling_params, request.arrival_time
+        )
+        return request.request_id
 
     def add_beam_search_request(self, prompt: PromptInput, params: BeamSearchParams, request_id: str | None = None) -> str:
         """Start a beam search (LLM.beam_search): its result is one finished RequestOutput whose outputs are
@@ -208,20 +223,34 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        group = self._groups.get(request_id)
-        if group is not None:  # every sequence of an n > 1 / best_of / beam-search request
-            if isinstance(group, BeamSearchGroup):
-                group.abort(self.scheduler)
-                return self._make_beam_output(group)
-            for sequence in group.sequences:
-                self.scheduler.abort_request(sequence.request_id)
-            return self._make_group_output(group)
-        request = self.scheduler.abort_request(request_id)
-        if request is None:
-            return None
-        output = self._make_output(request)
-        self._detokenizers.pop(request_id, None)
-        return output
+        """Abort a request now; its final output (finish_reason "abort"), or None if it is not running."""
+        outputs, _ = self.output_processor.process(self.abort_core(request_id))
+        return next((o for o in outputs if o.request_id == request_id), None)
+
+    def abort_core(self, request_id: str) -> CoreStep:
+        """Free every sequence of a request; the updates that tell the output side."""
+        group = self._groups.pop(request_id, None)
+        if isinstance(group, BeamSearchGroup):
+            group.abort(self.scheduler)
+            return CoreStep(finished_outputs=[self._make_beam_output(group)], time=time.monotonic())
+        seq_ids = [s.request_id for s in group.sequences] if group is not None else [request_id]
+        updates = []
+        for seq_id in seq_ids:
+            request = self.scheduler.abort_request(seq_id)
+            if request is not None:
+                updates.append(self._update_of(request, new_tokens=0))
+        return CoreStep(updates=updates, time=time.monotonic())
+
+    def finish_sequence(self, seq_id: str, stop: str) -> None:
+        """End a sequence whose text reached a stop string (found by the output side)."""
+        request = self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_STOPPED, stop)
+        if request is not None:
+            self._release_group_if_done(request)
+
+    def _release_group_if_done(self, request: Request) -> None:
+        group = request.group
+        if group is not None and group.kind == "sample" and all(s.is_finished for s in group.sequences):
+            self._groups.pop(group.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -241,63 +270,77 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, and return an output for each request that got a token."""
+        outputs, stops = self.output_processor.process(self.step_core())
+        for order in stops:
+            self.finish_sequence(order.seq_id, order.stop)
+        return outputs
+
+    def step_core(self) -> CoreStep:
+        """One step up to the sampled tokens: schedule, forward, sample, update the requests.
+        Everything that turns tokens into text is left to the OutputProcessor."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             if self.scheduler.num_waiting and not self.scheduler.num_running:
                 # Every request fits the cache alone (max_model_len <= capacity), so this is a bug, not a wait.
                 raise RuntimeError("the scheduler could not admit any waiting request into an empty batch")
-            return []
+            return CoreStep(time=time.monotonic())
+        requests = self.scheduler.requests
+        start = time.monotonic()
+        for chunk in scheduled.chunks:
+            request = requests[chunk.request_id]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = start
         self.runner.copy_blocks(scheduled.block_copies)  # copy-on-write of blocks shared by forked sequences
         if self._structured is None:
             sampled = self.runner.execute(scheduled.chunks)
         else:
-            bitmask = self._structured.bitmask(scheduled.chunks, self.scheduler.requests)
+            bitmask = self._structured.bitmask(scheduled.chunks, requests)
             sampled = self.runner.execute(scheduled.chunks, grammar_bitmask=bitmask)
         updated, _ = self.scheduler.update(scheduled, sampled.sampled_token_ids)
         self._logprobs.record(scheduled.chunks, sampled, updated, self.scheduler.requests)
         if self._structured is not None:
             self._accept_structured(updated)
-        outputs = []
-        groups: list[SequenceGroup] = []  # n > 1 / best_of and beam-search requests touched this step
+        step = CoreStep(time=time.monotonic())
+        beam_groups: list[BeamSearchGroup] = []
         for request in updated:
-            if request.group is not None and request.group.kind == "beam":
-                request.group.take_candidates(request)
-            else:
-                self._detokenize(request)
-            if request.group is not None:
-                if all(g is not request.group for g in groups):
-                    groups.append(request.group)
+            group = request.group
+            if isinstance(group, BeamSearchGroup):
+                group.take_candidates(request)
+                if all(g is not group for g in beam_groups):
+                    beam_groups.append(group)
                 continue
-            outputs.append(self._make_output(request))
+            step.updates.append(self._update_of(request, new_tokens=1))
             if request.is_finished:
-                self._detokenizers.pop(request.request_id, None)
-        for group in groups:
-            if not isinstance(group, BeamSearchGroup):
-                outputs.append(self._make_group_output(group))
-            elif group.ready():
+                self._release_group_if_done(request)
+        for group in beam_groups:
+            if group.ready():
                 group.advance(self.scheduler, self.eos_token_ids)
                 if group.finished:
-                    outputs.append(self._make_beam_output(group))
-        return outputs
+                    step.finished_outputs.append(self._make_beam_output(group))
+        return step
 
-    def _make_group_output(self, group: SequenceGroup) -> RequestOutput:
-        """One output for all sequences of an n > 1 / best_of request; with best_of, the n of highest
-        cumulative logprob. Finished when every sequence is."""
-        sequences = group.sequences
-        outputs = [self._make_output(s) for s in sequences]
-        completions = [o.outputs[0] for o in outputs]
-        n = sequences[0].sampling_params.n
-        if len(completions) > n:
-            order = sorted(range(len(sequences)), key=lambda i: -sequences[i].cumulative_logprob)
-            completions = [completions[i] for i in order[:n]]
-        for index, completion in enumerate(completions):
-            completion.index = index
-        finished = all(s.is_finished for s in sequences)
-        if finished:
-            for s in sequences:
-                self._detokenizers.pop(s.request_id, None)
-            self._groups.pop(group.request_id, None)
-        return dataclasses.replace(outputs[0], request_id=group.request_id, outputs=completions, finished=finished)
+    @staticmethod
+    def _update_of(request: Request, new_tokens: int) -> SequenceUpdate:
+        """A request's last `new_tokens` tokens (and its state) as plain data for the output side."""
+        params = request.sampling_params
+        new_ids = request.output_token_ids[len(request.output_token_ids) - new_tokens :] if new_tokens else []
+        first_output = new_tokens and request.num_output_tokens == new_tokens
+        return SequenceUpdate(
+            request_id=request.group.request_id if request.group is not None else request.request_id,
+            seq_id=request.request_id,
+            seq_index=request.seq_index,
+            new_token_ids=new_ids,
+            cumulative_logprob=request.cumulative_logprob,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            new_logprobs=request.output_logprobs[-new_tokens:] if new_tokens and params.logprobs is not None else None,
+            prompt_logprobs=(
+                list(request.prompt_logprobs)
+                if params.prompt_logprobs is not None and (first_output or request.is_finished)
+                else None
+            ),
+            first_scheduled_time=request.first_scheduled_time,
+        )
 
     def _make_beam_output(self, group: BeamSearchGroup) -> RequestOutput:
         self._groups.pop(group.request_id, None)
@@ -323,9 +366,10 @@ class LLMEngine:
         )
 
     def structured_output_manager(self) -> StructuredOutputManager:
-        if self._structured is None:
-            self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-        return self._structured
+        with self._structured_lock:  # make_request may run on several worker threads at once
+            if self._structured is None:
+                self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            return self._structured
 
     def _accept_structured(self, updated: list[Request]) -> None:
         """Advance each constrained request's grammar; one whose grammar has ended (took EOS) stops."""
@@ -338,40 +382,3 @@ class LLMEngine:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             elif request.status == RequestStatus.FINISHED_LENGTH:  # the last allowed token also hit max_tokens
                 request.status = RequestStatus.FINISHED_STOPPED
-
-    def _detokenize(self, request: Request) -> None:
-        """Bring the request's text up to date; a matched stop string finishes it."""
-        if self.tokenizer is None:
-            return
-        detok = self._detokenizers.get(request.request_id)
-        if detok is None:  # created on first output, so forked sequences get their own
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params)
-            self._detokenizers[request.request_id] = detok
-        stop = detok.add_tokens(request.output_token_ids[detok.num_tokens :])
-        if stop is None:
-            return
-        if request.is_finished:  # the same token also hit max_tokens or EOS: the stop string wins, as in vLLM
-            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        else:
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        detok = self._detokenizers.get(request.request_id)
-        completion = CompletionOutput(
-            index=0,
-            text=detok.output_text(request.is_finished) if detok is not None else "",
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            cumulative_logprob=request.cumulative_logprob,
-            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.is_finished,
-            prompt_logprobs=(list(request.prompt_logprobs) or [None]) if request.sampling_params.prompt_logprobs is not None else None,
-        )
-

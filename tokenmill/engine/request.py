@@ -43,6 +43,7 @@ class Request:
     max_model_len: int = 1 << 30
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when a step first computed any of its tokens (queue time ends)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     status: RequestStatus = RequestStatus.WAITING
