@@ -255,6 +255,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def unfinished_request_ids(self) -> list[str]:
+        """The user's ids of every request with a sequence in the scheduler."""
+        ids = dict.fromkeys(self._groups)
+        for request in self.scheduler.requests.values():
+            ids[request.group.request_id if request.group is not None else request.request_id] = None
+        return list(ids)
+
     def stats(self) -> EngineStats:
         pool = self.scheduler.kv_cache.pool
         return EngineStats(

@@ -92,6 +92,10 @@ class OutputProcessor:
             request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time=arrival_time)
         )
 
+    def drop(self, request_id: str) -> None:
+        """Forget a request that failed (its caller is told by other means)."""
+        self._requests.pop(request_id, None)
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
