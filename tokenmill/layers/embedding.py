@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.linear import copy_checked
+from tokenmill.layers.linear import PackedCPUWeight, copy_checked
 
 
 class VocabEmbedding(nn.Module):
@@ -25,3 +25,8 @@ class VocabEmbedding(nn.Module):
 class LMHead(VocabEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)
+
+
+def project_logits(hidden: torch.Tensor, weight: torch.Tensor, packed: PackedCPUWeight | None) -> torch.Tensor:
+    """Float32 logits from the LM head weight, or from its prepacked copy (CPU bf16)."""
+    return (packed(hidden) if packed is not None else F.linear(hidden, weight)).float()

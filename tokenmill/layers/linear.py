@@ -17,8 +17,50 @@ class UnquantizedLinearMethod:
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+
+def cpu_packed_weights_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN's prepacked bf16 matmul: on CPUs with native bf16 (AVX512-BF16, AMX)."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+class PackedCPUWeight:
+    """A bf16 weight reordered once into oneDNN's blocked layout, as inductor's freezing pass does.
+
+    F.linear reorders the weight on every call; at decode batch sizes that costs as much as the
+    matmul itself (measured: 2-4x faster at one row, 10-40% at 32-64 rows).
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class PackedCPULinearMethod(UnquantizedLinearMethod):
+    """Unquantized bf16 on CPU with the weight prepacked after loading (the original is freed)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.packed_weight = PackedCPUWeight(layer.weight.data)
+        layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return layer.packed_weight(x, bias)
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:

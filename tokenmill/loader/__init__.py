@@ -10,6 +10,13 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
+from tokenmill.layers.linear import (
+    Linear,
+    PackedCPULinearMethod,
+    PackedCPUWeight,
+    UnquantizedLinearMethod,
+    cpu_packed_weights_supported,
+)
 from tokenmill.loader.default_model import default_model_path
 from tokenmill.loader.gguf_file import load_gguf_source
 from tokenmill.loader.hf import load_hf_source
@@ -52,4 +59,17 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, m
     with _default_dtype(dtype), device:
         model = model_class(source.hf_config, max_position, source.rope_freq_factors)
     model.load_weights(source.weights())
+    prepare_weights_for_device(model, device, dtype)
     return model.eval()
+
+
+def prepare_weights_for_device(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """After loading: the layouts that make the device fast (on CPU bf16, oneDNN-prepacked linear weights)."""
+    if cpu_packed_weights_supported(device, dtype):
+        for module in model.modules():
+            if isinstance(module, Linear) and type(module.method) is UnquantizedLinearMethod:
+                module.method = PackedCPULinearMethod()
+        model.packed_lm_head = PackedCPUWeight(model.lm_head_weight().data)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.process_weights_after_loading(module)

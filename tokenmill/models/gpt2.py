@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.activation import get_activation
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.embedding import VocabEmbedding
+from tokenmill.layers.embedding import VocabEmbedding, project_logits
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import LayerNorm
 from tokenmill.models.weights import load_named_weights
@@ -87,8 +86,13 @@ class GPT2LMHeadModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         return self.transformer(input_ids, positions, batch)
 
+    packed_lm_head = None  # set by the loader where prepacked weights pay (CPU bf16)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.transformer.wte.weight  # GPT-2 always ties the LM head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.transformer.wte.weight).float()  # GPT-2 always ties the LM head
+        return project_logits(hidden, self.lm_head_weight(), self.packed_lm_head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:

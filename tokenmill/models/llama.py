@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.layers.embedding import LMHead, VocabEmbedding, project_logits
 from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, rotate_half
@@ -126,9 +125,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
 
+    packed_lm_head = None  # set by the loader where prepacked weights pay (CPU bf16)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return project_logits(hidden, self.lm_head_weight(), self.packed_lm_head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         ignore = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
