@@ -5,33 +5,23 @@
 Both engines get the same token-id prompts, greedy decoding, and a fixed number of output
 tokens (EOS ignored). HF runs one static batch with left padding. Prints output tokens/s
 of each and the ratio; the median of --repeats runs is reported.
+
+`tokenmill bench throughput --baseline hf` does the same on any dataset (and `bench latency
+--baseline hf` for one batch); this script stays for its LLM.generate-level comparison.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 
 
-def _hf_from_gguf(path: str, dtype: torch.dtype):
-    """HF's own model on the GGUF's dequantized weights (from_pretrained(gguf_file=) would need accelerate)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"], strict=False)
-    model.tie_weights()
-    return model.to(dtype).eval()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
@@ -40,12 +30,13 @@ def main() -> None:
     args = parser.parse_args()
 
     from tokenmill import LLM, SamplingParams
+    from tokenmill.bench.hf_baseline import load_hf_model
     from tokenmill.loader.default_model import default_model_path
 
     path = args.model or default_model_path()
     dtype = getattr(torch, args.dtype)
     llm = LLM(model=path, dtype=args.dtype)
-    hf = _hf_from_gguf(path, dtype)
+    hf = load_hf_model(path, dtype)  # the HF model on the GGUF's dequantized weights, as `--baseline hf` builds it
 
     gen = torch.Generator().manual_seed(0)
     vocab = llm.llm_engine.vocab_size
