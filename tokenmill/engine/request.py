@@ -1,4 +1,5 @@
-"""A request's state as the scheduler sees it: token ids and how many of them have KV."""
+"""A request's state as the scheduler sees it: token ids and how many of them have KV
+(a prefix-cache hit starts a request with num_computed_tokens > 0)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ class Request:
     # Parallel sampling / beam search: the group this sequence belongs to and its index in it.
     group: "SequenceGroup | None" = field(default=None, repr=False)
     seq_index: int = 0
+    # Prefix caching: the chained hash of each full block of all_token_ids hashed so far
+    # (KVCacheManager computes them as blocks are looked up or filled; a fork copies them).
+    block_hashes: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -111,6 +115,7 @@ class Request:
             seq_index=seq_index,
         )
         child.all_token_ids = list(self.all_token_ids)
+        child.block_hashes = list(self.block_hashes)
         return child
 
     def append_output_token(self, token_id: int) -> None:

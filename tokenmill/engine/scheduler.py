@@ -5,6 +5,11 @@ costs one token, an unfinished prompt takes the next chunk), then to waiting req
 FCFS order. When KV blocks run out, the running request admitted last is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed later
 (prompt + output so far), which gives the same tokens it would have produced.
+
+With prefix caching, a waiting request that holds no KV (new, or preempted) is admitted
+after its longest cached prefix of full blocks: it starts with num_computed_tokens past
+them, and the blocks it reuses from the free list count against the free blocks. A
+preempted request usually finds its own blocks again, if they were not evicted.
 """
 
 from __future__ import annotations
@@ -178,11 +183,15 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                num_new = self._num_new_tokens(request)
+                # Prefix caching: a request without KV starts after its longest cached prefix
+                # (looked up again on each try: what is cached changes while it waits).
+                cached = self.kv_cache.get_computed_blocks(request)
+                num_cached = len(cached) * self.kv_cache.block_size if cached else 0
+                num_new = self._num_new_tokens(request) - num_cached
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
-                if not self.kv_cache.allocate_slots(request, num_new):
+                if not self.kv_cache.allocate_slots(request, num_new, cached):
                     idle = self._last_idle()
                     if scheduled or idle is None:
                         break
@@ -193,6 +202,7 @@ class Scheduler:
                     preempted.append(victim)
                     continue
                 self.waiting.popleft()
+                request.num_computed_tokens += num_cached
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 scheduled.append((request, num_new))
