@@ -19,3 +19,11 @@ class InvalidRequestError(TokenmillError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt does not fit the model's context or the KV cache."""
+
+
+class EngineOverloadedError(TokenmillError):
+    """The engine's waiting queue is full (max_waiting_requests): try again later."""
+
+
+class EngineDeadError(TokenmillError):
+    """The engine loop has stopped (it failed, or the engine was shut down): no request can be served."""

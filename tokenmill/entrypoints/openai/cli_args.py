@@ -1,17 +1,82 @@
-"""`tokenmill serve` options. (Placeholder until the server lands.)"""
+"""`tokenmill serve` options: the engine's (shared with generate / chat / bench) and the server's."""
 
 from __future__ import annotations
 
 import argparse
+import os
+
+DEFAULT_MAX_BODY_BYTES = 10 << 20  # 10 MiB
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--api-key", default=os.environ.get("TOKENMILL_API_KEY") or None,
+        help="require 'Authorization: Bearer <key>' on the API routes (default: $TOKENMILL_API_KEY; none: open)",
+    )
+    g.add_argument(
+        "--served-model-name", nargs="+", default=None, metavar="NAME",
+        help="the model name(s) clients use in 'model' (default: the --model value, or the default model's name)",
+    )
+    g.add_argument(
+        "--max-waiting-requests", type=_positive_int, default=None,
+        help="answer 503 when this many requests are already waiting for the engine (default: no limit)",
+    )
+    g.add_argument(
+        "--request-timeout", type=_positive_float, default=None, metavar="SECONDS",
+        help="abort a request that runs longer than this (HTTP 504, or an error event in a stream; default: none)",
+    )
+    g.add_argument(
+        "--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+        help=f"refuse larger request bodies with 413 (default: {DEFAULT_MAX_BODY_BYTES})",
+    )
+    g.add_argument(
+        "--timeout-graceful-shutdown", type=_non_negative_float, default=10.0, metavar="SECONDS",
+        help="on SIGTERM / SIGINT, let in-flight requests finish for this long, then abort them (default: 10)",
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="tokenmill's log level")
+    g.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    g.add_argument("--disable-access-log", action="store_true", help="no log line per request")
 
 
 def add_serve_parser(sub) -> None:
     from tokenmill.entrypoints.cli import add_engine_args
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve the model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models) "
+        "plus /health, /metrics, /version, /tokenize, /detokenize.",
+    )
     add_engine_args(serve)
+    add_server_args(serve)
 
     def run(args: argparse.Namespace) -> None:
-        raise NotImplementedError("tokenmill serve is not implemented yet")
+        from tokenmill.entrypoints.openai.api_server import run_server
+
+        run_server(args)
 
     serve.set_defaults(func=run)

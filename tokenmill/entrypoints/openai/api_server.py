@@ -1,0 +1,242 @@
+"""The FastAPI app and `tokenmill serve`: OpenAI's routes over an AsyncLLMEngine, run by uvicorn.
+
+build_app(engine, settings) makes the app (tests and embedders can use it directly);
+run_server(args) loads the model, then serves until SIGTERM / SIGINT: uvicorn stops taking
+connections and lets in-flight requests finish for up to --timeout-graceful-shutdown seconds,
+then cancels the rest (which aborts their engine requests), and the engine is shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+import tokenmill
+from tokenmill.errors import TokenmillError
+from tokenmill.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+
+from tokenmill.entrypoints.openai.chat_utils import normalize_messages, render_chat
+from tokenmill.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
+from tokenmill.entrypoints.openai.errors import (
+    BadRequest,
+    error_from_exception,
+    error_response,
+    install_exception_handlers,
+)
+from tokenmill.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenmill.entrypoints.openai.serving_models import ServedModels
+from tokenmill.entrypoints.openai.streaming import run_until_disconnect
+
+logger = logging.getLogger("tokenmill.server")
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
+    api_key: str | None = None
+    request_timeout: float | None = None  # seconds; None: no limit
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    access_log: bool = True
+    shutdown_timeout: float = 0.0  # engine.shutdown(timeout) after uvicorn's own graceful wait
+
+
+async def _respond(handler: Awaitable[Response]) -> Response:
+    """Run a route's work; any failure becomes OpenAI error JSON (unexpected ones are logged with their traceback)."""
+    try:
+        return await handler
+    except Exception as exc:  # noqa: BLE001 - every failure answers with error JSON; the server keeps going
+        body = error_from_exception(exc)
+        return JSONResponse(body, status_code=body["error"]["code"])
+
+
+def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_engine: bool = True) -> FastAPI:
+    """The app over `engine` (an AsyncLLMEngine). With manage_engine, the app's lifespan starts and shuts it down."""
+    settings = settings or ServerSettings()
+    names = settings.served_model_names or [engine.model_name]
+    models = ServedModels(names, engine.max_model_len, root=engine.model_name)
+    metrics = ServerMetrics(names[0], engine.max_model_len, stats=engine.stats)
+    common = dict(metrics=metrics, request_timeout=settings.request_timeout)
+    completions = OpenAIServingCompletion(engine, models, **common)
+    chat = OpenAIServingChat(engine, models, **common)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_engine:
+            await engine.start()
+        logger.info("serving %s (max_model_len %d)", ", ".join(names), engine.max_model_len)
+        try:
+            yield
+        finally:
+            if manage_engine:
+                logger.info("shutting down the engine")
+                await engine.shutdown(settings.shutdown_timeout)
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.models = models
+    install_exception_handlers(app)
+
+    # -- OpenAI routes --------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await run_until_disconnect(raw, _respond(completions.create(body, raw)))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await run_until_disconnect(raw, _respond(chat.create(body, raw)))
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return JSONResponse(models.list().model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        async def work() -> Response:
+            return JSONResponse(models.card(models.resolve(model_id)).model_dump())
+
+        return await _respond(work())
+
+    # -- tokenmill / vLLM extras ----------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if getattr(engine, "errored", False) or not getattr(engine, "is_running", True):
+            return error_response(503, "the engine is not running", "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse(VersionResponse(version=tokenmill.__version__).model_dump())
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        async def work() -> Response:
+            models.resolve(body.model)
+            tokenizer = engine.tokenizer
+            if tokenizer is None:
+                raise BadRequest("this model was loaded without a tokenizer")
+            if (body.prompt is None) == (body.messages is None):
+                raise BadRequest("give either prompt or messages", "prompt")
+            if body.messages is not None:
+                messages = normalize_messages(body.messages)
+                text = await asyncio.to_thread(
+                    render_chat, tokenizer, messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    chat_template=body.chat_template,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                    tools=body.tools,
+                )
+                add_special = bool(body.add_special_tokens)
+            else:
+                text = body.prompt
+                add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await chat.encode(text, add_special)
+            strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+            return JSONResponse(
+                TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs).model_dump()
+            )
+
+        return await _respond(work())
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        async def work() -> Response:
+            models.resolve(body.model)
+            tokenizer = engine.tokenizer
+            if tokenizer is None:
+                raise BadRequest("this model was loaded without a tokenizer")
+            bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+            if bad:
+                raise BadRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {engine.vocab_size})", "tokens")
+            text = await asyncio.to_thread(tokenizer.decode, body.tokens)
+            return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+        return await _respond(work())
+
+    # Middlewares, innermost first: body limit, then the API key, then request ids and access logs.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.api_key:
+        app.add_middleware(AuthMiddleware, api_key=settings.api_key)
+    app.add_middleware(RequestContextMiddleware, access_log=settings.access_log)
+    return app
+
+
+def default_served_name(args: argparse.Namespace, engine: Any) -> str:
+    """vLLM's default: the --model value as given; for the embedded default model its file name."""
+    if args.model:
+        return args.model
+    name = os.path.basename(engine.model_name)
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def run_server(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.entrypoints.cli import engine_config_from_args
+
+    logging.getLogger("tokenmill").setLevel(args.log_level.upper())
+    engine = AsyncLLMEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
+    settings = ServerSettings(
+        served_model_names=args.served_model_name or [default_served_name(args, engine)],
+        api_key=args.api_key,
+        request_timeout=args.request_timeout,
+        max_request_body_bytes=args.max_request_body_bytes,
+        access_log=not args.disable_access_log,
+        shutdown_timeout=1.0,
+    )
+    app = build_app(engine, settings)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=False,  # tokenmill.access logs every request, with its id and token counts
+        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+        timeout_keep_alive=5,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"tokenmill: serving {', '.join(settings.served_model_names)} at http://{host}:{args.port}/v1", flush=True)
+    # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
+    # place that is a no-op, so SIGTERM / SIGINT end the process with status 0.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        raise TokenmillError(f"the server could not start on {args.host}:{args.port} (see the log above)")
