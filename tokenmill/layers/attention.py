@@ -33,30 +33,34 @@ class TorchPagedAttention:
         sliding_window: int | None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
+        num_kv_heads, _, block_size, _ = k_cache.shape
+        group_size = num_heads // num_kv_heads
         # One extra row: padded query slots read zeros from it and write their garbage to it.
         q_padded = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
         out = q.new_empty(num_tokens + 1, num_heads, head_dim)
         for group in batch.attn_groups:  # at most two: decodes and prompt chunks
             b, max_q = group.token_index.shape
             blocks = group.block_table.flatten()
-            ctx = group.block_table.shape[1] * k_cache.shape[1]
-            # index_select on the flat block table: about twice as fast as advanced indexing on CPU.
-            key = k_cache.index_select(0, blocks).view(b, ctx, num_kv_heads, head_dim).transpose(1, 2)  # [b, Hkv, ctx, D]
-            value = v_cache.index_select(0, blocks).view(b, ctx, num_kv_heads, head_dim).transpose(1, 2)
-            mask = group.mask(batch.block_size, sliding_window)  # [b, 1, max_q, ctx]
+            ctx = group.block_table.shape[1] * block_size
+            # Head-major cache: the gather gives each (KV head, request) its context as one contiguous
+            # [ctx, D] matrix, which bmm reads as is (index_select: about twice as fast as indexing on CPU).
+            key = k_cache.index_select(1, blocks).view(num_kv_heads, b, ctx, head_dim)
+            value = v_cache.index_select(1, blocks).view(num_kv_heads, b, ctx, head_dim)
+            mask = group.mask(block_size, sliding_window)  # [b, 1, max_q, ctx]
             if max_q == 1:
-                query = q[group.token_index[:, 0]].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-                scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale  # [b, Hkv, group, ctx]
-                scores.masked_fill_(~mask, float("-inf"))
+                rows = group.token_index[:, 0]
+                query = q[rows].view(b, num_kv_heads, group_size, head_dim).transpose(0, 1).reshape(-1, group_size, head_dim)
+                scores = torch.bmm(query, key.view(-1, ctx, head_dim).transpose(1, 2)).float() * scale  # [Hkv*b, group, ctx]
+                scores.view(num_kv_heads, b, group_size, ctx).masked_fill_(~mask.view(1, b, 1, ctx), float("-inf"))
                 probs = torch.softmax(scores, dim=-1).to(value.dtype)
-                out[group.token_index[:, 0]] = torch.matmul(probs, value).view(b, num_heads, head_dim)
+                o = torch.bmm(probs, value.view(-1, ctx, head_dim))  # [Hkv*b, group, D]
+                out[rows] = o.view(num_kv_heads, b, group_size, head_dim).transpose(0, 1).reshape(b, num_heads, head_dim)
                 continue
             query = q_padded[group.token_index].transpose(1, 2)  # [b, H, max_q, D]
             o = F.scaled_dot_product_attention(
                 query,
-                key,
-                value,
+                key.transpose(0, 1),  # [b, Hkv, ctx, D]
+                value.transpose(0, 1),
                 attn_mask=mask,
                 scale=scale,
                 enable_gqa=num_heads != num_kv_heads,
@@ -86,9 +90,9 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, batch.slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, batch.slot_mapping, v.to(flat_v.dtype))
+        flat_k = self.k_cache.view(self.num_kv_heads, -1, self.head_dim)  # [Hkv, slots, D]
+        flat_v = self.v_cache.view(self.num_kv_heads, -1, self.head_dim)
+        flat_k.index_copy_(1, batch.slot_mapping, k.transpose(0, 1).to(flat_k.dtype))
+        flat_v.index_copy_(1, batch.slot_mapping, v.transpose(0, 1).to(flat_v.dtype))
         out = self.backend.forward(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -29,13 +29,16 @@ class ModelRunner:
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem for a in self.attn_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's K and V once: [num_blocks, block_size, num_kv_heads, head_dim].
+        """Allocate every layer's K and V once: [num_kv_heads, num_blocks, block_size, head_dim].
+
+        Head-major, so that gathering a request's blocks gives each KV head's context as one
+        contiguous matrix for the attention matmuls (no copy between the gather and the bmm).
 
         Zeroed, so never-written slots (the null block, a block's unfilled tail) hold finite
         values: attention masks them, and 0 * garbage could otherwise be NaN.
         """
         for layer in self.attn_layers:
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            shape = (layer.num_kv_heads, num_blocks, self.block_size, layer.head_dim)
             layer.k_cache = self._zeros(shape)
             layer.v_cache = self._zeros(shape)
         self.num_blocks = num_blocks
@@ -62,7 +65,7 @@ class ModelRunner:
         dst = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=self.device)
         for layer in self.attn_layers:
             for cache in (layer.k_cache, layer.v_cache):
-                cache.index_copy_(0, dst, cache.index_select(0, src))
+                cache.index_copy_(1, dst, cache.index_select(1, src))
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], grammar_bitmask: torch.Tensor | None = None) -> "ModelRunnerOutput":
