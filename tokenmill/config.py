@@ -29,13 +29,25 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (AVX512-BF16 or AMX): then bf16 matmuls run about 2x
+    faster than float32. Read from /proc/cpuinfo; elsewhere assume not."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = handle.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-    """'auto' takes the checkpoint's dtype on a GPU and float32 on a CPU (exact and fast for small models)."""
+    """'auto' takes the checkpoint's dtype on a GPU; on a CPU, bfloat16 where the CPU has native bf16
+    (as vLLM's CPU backend does) and float32 elsewhere. float32 is what matches HF transformers bit for bit."""
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
         if device.type == "cpu":
-            resolved = torch.float32
+            resolved = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         else:
             resolved = checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     elif dtype in _DTYPES:

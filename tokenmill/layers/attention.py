@@ -33,28 +33,29 @@ class TorchPagedAttention:
         sliding_window: int | None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads, _, block_size, _ = k_cache.shape
+        num_kv_heads, num_blocks, block_size, _ = k_cache.shape
         group_size = num_heads // num_kv_heads
         # One extra row: padded query slots read zeros from it and write their garbage to it.
         q_padded = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
         out = q.new_empty(num_tokens + 1, num_heads, head_dim)
         for group in batch.attn_groups:  # at most two: decodes and prompt chunks
             b, max_q = group.token_index.shape
-            blocks = group.block_table.flatten()
             ctx = group.block_table.shape[1] * block_size
             # Head-major cache: the gather gives each (KV head, request) its context as one contiguous
-            # [ctx, D] matrix, which bmm reads as is (index_select: about twice as fast as indexing on CPU).
-            key = k_cache.index_select(1, blocks).view(num_kv_heads, b, ctx, head_dim)
-            value = v_cache.index_select(1, blocks).view(num_kv_heads, b, ctx, head_dim)
+            # [ctx, D] matrix, which bmm reads as is. index_select over the rows of the flattened
+            # [Hkv * blocks] dim is a plain row copy: 2x faster than along dim 1, 7x faster than indexing.
+            rows = group.kv_rows(num_kv_heads, num_blocks)
+            key = k_cache.view(-1, block_size, head_dim).index_select(0, rows).view(num_kv_heads, b, ctx, head_dim)
+            value = v_cache.view(-1, block_size, head_dim).index_select(0, rows).view(num_kv_heads, b, ctx, head_dim)
             mask = group.mask(block_size, sliding_window)  # [b, 1, max_q, ctx]
             if max_q == 1:
-                rows = group.token_index[:, 0]
-                query = q[rows].view(b, num_kv_heads, group_size, head_dim).transpose(0, 1).reshape(-1, group_size, head_dim)
+                token_rows = group.token_index[:, 0]
+                query = q[token_rows].view(b, num_kv_heads, group_size, head_dim).transpose(0, 1).reshape(-1, group_size, head_dim)
                 scores = torch.bmm(query, key.view(-1, ctx, head_dim).transpose(1, 2)).float() * scale  # [Hkv*b, group, ctx]
                 scores.view(num_kv_heads, b, group_size, ctx).masked_fill_(~mask.view(1, b, 1, ctx), float("-inf"))
                 probs = torch.softmax(scores, dim=-1).to(value.dtype)
                 o = torch.bmm(probs, value.view(-1, ctx, head_dim))  # [Hkv*b, group, D]
-                out[rows] = o.view(num_kv_heads, b, group_size, head_dim).transpose(0, 1).reshape(b, num_heads, head_dim)
+                out[token_rows] = o.view(num_kv_heads, b, group_size, head_dim).transpose(0, 1).reshape(b, num_heads, head_dim)
                 continue
             query = q_padded[group.token_index].transpose(1, 2)  # [b, H, max_q, D]
             o = F.scaled_dot_product_attention(

@@ -23,6 +23,18 @@ class AttentionGroup:
     block_table: torch.Tensor  # [b, num_blocks] the blocks holding each request's context
     query_pos: torch.Tensor  # [b, max_q] position of each query token
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _kv_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def kv_rows(self, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+        """Rows of a head-major cache viewed as [num_kv_heads * num_blocks, ...] holding the group's
+        context: head h's blocks first, then head h + 1's, each request's blocks in order."""
+        key = (num_kv_heads, num_blocks)
+        rows = self._kv_rows.get(key)
+        if rows is None:
+            heads = torch.arange(num_kv_heads, device=self.block_table.device)[:, None] * num_blocks
+            rows = (heads + self.block_table.flatten()[None, :]).flatten()
+            self._kv_rows[key] = rows
+        return rows
 
     def mask(self, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
         """Boolean [b, 1, max_q, num_blocks * block_size]: causal over the request's own context."""
