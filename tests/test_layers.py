@@ -1,0 +1,91 @@
+"""Kernels against plain PyTorch references: paged attention (decodes as batched matmuls, prompt
+chunks through SDPA) over a head-major paged cache, and the prepacked CPU bf16 linear."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.config import cpu_has_native_bf16, resolve_dtype
+from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.linear import PackedCPUWeight, cpu_packed_weights_supported
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.batch import BatchInputs
+
+BLOCK = 4
+
+
+def reference_attention(q, k, v, num_kv_heads: int, start: int, scale: float, window: int | None) -> torch.Tensor:
+    """One request, contiguous K/V for all its positions so far: [T, H, D] queries at start..start+T-1."""
+    num_q, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1).float()  # [ctx, H, D]
+    v = v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("thd,chd->htc", q.float(), k) * scale
+    q_pos = torch.arange(start, start + num_q)[:, None]
+    kv_pos = torch.arange(k.shape[0])[None, :]
+    allowed = kv_pos <= q_pos
+    if window is not None:
+        allowed &= kv_pos > q_pos - window
+    scores = scores.masked_fill(~allowed[None], -math.inf)
+    return torch.einsum("htc,chd->thd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_matches_reference(dtype, tol, num_kv_heads, window):
+    torch.manual_seed(0)
+    num_heads, head_dim, num_blocks = 4, 8, 40
+    attn = Attention(num_heads, head_dim, num_kv_heads, head_dim**-0.5, sliding_window=window)
+    attn.k_cache = torch.zeros(num_kv_heads, num_blocks, BLOCK, head_dim, dtype=dtype)
+    attn.v_cache = torch.zeros_like(attn.k_cache)
+    # (context already cached, new tokens this step): decodes, a first prompt chunk, a later chunk.
+    shapes = [(7, 1), (12, 1), (0, 9), (5, 6), (1, 1), (16, 3)]
+    blocks = iter(torch.randperm(num_blocks - 1) + 1)  # block 0 is the null block
+    history, chunks = [], []
+    for i, (cached, new) in enumerate(shapes):
+        n = cached + new
+        table = [int(next(blocks)) for _ in range(-(-n // BLOCK))]
+        k_all = torch.randn(n, num_kv_heads, head_dim).to(dtype)
+        v_all = torch.randn(n, num_kv_heads, head_dim).to(dtype)
+        for pos in range(cached):  # what earlier steps wrote
+            attn.k_cache[:, table[pos // BLOCK], pos % BLOCK] = k_all[pos]
+            attn.v_cache[:, table[pos // BLOCK], pos % BLOCK] = v_all[pos]
+        history.append((k_all, v_all, cached, new))
+        chunks.append(ScheduledChunk(f"r{i}", list(range(new)), cached, table, True, SamplingParams(), 0, 0))
+    batch = BatchInputs.build(chunks, BLOCK, torch.device("cpu"))
+    q = torch.randn(batch.num_tokens, num_heads, head_dim).to(dtype)
+    k_new = torch.cat([k[c:] for k, _, c, _ in history])
+    v_new = torch.cat([v[c:] for _, v, c, _ in history])
+    out = attn(q.flatten(1), k_new.flatten(1), v_new.flatten(1), batch).view(-1, num_heads, head_dim)
+    row = 0
+    for k_all, v_all, cached, new in history:
+        want = reference_attention(q[row : row + new], k_all, v_all, num_kv_heads, cached, head_dim**-0.5, window)
+        torch.testing.assert_close(out[row : row + new].float(), want, atol=tol, rtol=tol)
+        row += new
+
+
+@pytest.mark.skipif(not cpu_packed_weights_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_cpu_linear_matches_f_linear(rows, bias):
+    torch.manual_seed(0)
+    weight = torch.randn(96, 40).bfloat16()
+    b = torch.randn(96).bfloat16() if bias else None
+    x = torch.randn(2, rows, 40).bfloat16()
+    want = F.linear(x.float(), weight.float(), b.float() if b is not None else None)
+    got = PackedCPUWeight(weight)(x, b)
+    assert got.shape == (2, rows, 96) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=2e-2)
+
+
+def test_auto_dtype_on_cpu_follows_native_bf16():
+    cpu = torch.device("cpu")
+    want = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert resolve_dtype("auto", cpu, torch.float16) == want
+    assert resolve_dtype("float32", cpu, None) == torch.float32
