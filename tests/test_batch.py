@@ -82,3 +82,15 @@ def test_block_table_wider_than_needed_is_sliced_per_group():
     (group,) = b.attn_groups
     assert group.block_table.shape == (2, 4)
     assert b.slot_mapping.tolist() == [4 * 4 + 0, 5 * 4 + 1]
+
+
+def test_prompt_chunks_of_very_different_lengths_are_not_padded_together():
+    # A shared prefix computed once (40 tokens) next to short suffix chunks, and two decodes.
+    chunks = [chunk("long", list(range(40)), 0, list(range(1, 11)))]
+    chunks += [chunk(f"s{i}", [1, 2, 3], 40, list(range(11 + 11 * i, 22 + 11 * i))) for i in range(5)]
+    chunks += [chunk("d0", [7], 9, [90, 91, 92]), chunk("d1", [8], 2, [93])]
+    batch = build(chunks)
+    shapes = [tuple(g.token_index.shape) for g in batch.attn_groups]
+    assert shapes == [(2, 1), (2, 40), (4, 3)]  # at most 2x padding: the long chunk takes one short one along
+    covered = sorted(int(t) for g in batch.attn_groups for t in g.token_index.flatten() if t < batch.num_tokens)
+    assert covered == list(range(batch.num_tokens))  # every token attended exactly once

@@ -7,11 +7,33 @@ chosen per device; the torch backend here is the reference and runs anywhere.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.worker.batch import BatchInputs
+
+
+class GatherWorkspace:
+    """Reused buffers for the gathered K/V context, shared by every layer (they run one after another).
+
+    A fresh tensor for each gather would be tens of MB at long contexts: above glibc's mmap
+    threshold, so every layer of every step would map new pages and fault them in, which made
+    the gather run at 2 GB/s instead of memory speed.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(max(numel, buf.numel() if buf is not None else 0), dtype=like.dtype, device=like.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
 
 
 class TorchPagedAttention:
@@ -31,6 +53,7 @@ class TorchPagedAttention:
         batch: BatchInputs,
         scale: float,
         sliding_window: int | None,
+        workspace: GatherWorkspace | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, num_blocks, block_size, _ = k_cache.shape
@@ -45,8 +68,15 @@ class TorchPagedAttention:
             # [ctx, D] matrix, which bmm reads as is. index_select over the rows of the flattened
             # [Hkv * blocks] dim is a plain row copy: 2x faster than along dim 1, 7x faster than indexing.
             rows = group.kv_rows(num_kv_heads, num_blocks)
-            key = k_cache.view(-1, block_size, head_dim).index_select(0, rows).view(num_kv_heads, b, ctx, head_dim)
-            value = v_cache.view(-1, block_size, head_dim).index_select(0, rows).view(num_kv_heads, b, ctx, head_dim)
+            shape = (len(rows), block_size, head_dim)
+            key, value = (
+                torch.index_select(cache.view(-1, block_size, head_dim), 0, rows, out=workspace.take(name, shape, cache))
+                if workspace is not None
+                else cache.view(-1, block_size, head_dim).index_select(0, rows)
+                for name, cache in (("k", k_cache), ("v", v_cache))
+            )
+            key = key.view(num_kv_heads, b, ctx, head_dim)
+            value = value.view(num_kv_heads, b, ctx, head_dim)
             mask = group.mask(block_size, sliding_window)  # [b, 1, max_q, ctx]
             if max_q == 1:
                 token_rows = group.token_index[:, 0]
@@ -85,6 +115,7 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend = TorchPagedAttention
+        self.workspace: GatherWorkspace | None = None  # bound by the runner, shared by all layers
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
@@ -95,5 +126,5 @@ class Attention(nn.Module):
         flat_v = self.v_cache.view(self.num_kv_heads, -1, self.head_dim)
         flat_k.index_copy_(1, batch.slot_mapping, k.transpose(0, 1).to(flat_k.dtype))
         flat_v.index_copy_(1, batch.slot_mapping, v.transpose(0, 1).to(flat_v.dtype))
-        out = self.backend.forward(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
+        out = self.backend.forward(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, self.workspace)
         return out.reshape(-1, self.num_heads * self.head_dim)

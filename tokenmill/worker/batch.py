@@ -59,7 +59,7 @@ class BatchInputs:
     seq_lens: torch.Tensor  # [B] context length after this step
     block_tables: torch.Tensor  # [B, max_blocks], padded with the null block 0
     logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
-    attn_groups: list[AttentionGroup]
+    attn_groups: list[AttentionGroup]  # decodes (if any) first, then prompt chunks by decreasing length
     block_size: int
     num_tokens: int
 
@@ -91,9 +91,10 @@ class BatchInputs:
 
         groups = []
         is_decode = q_lens == 1
-        for rows in (np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]):
-            if len(rows):
-                groups.append(_make_group(rows, q_lens, starts, seq_lens, query_start_loc, block_tables, block_size, num_tokens, device))
+        decode_rows = np.nonzero(is_decode)[0]
+        row_groups = ([decode_rows] if len(decode_rows) else []) + _prompt_row_groups(np.nonzero(~is_decode)[0], q_lens)
+        for rows in row_groups:
+            groups.append(_make_group(rows, q_lens, starts, seq_lens, query_start_loc, block_tables, block_size, num_tokens, device))
 
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
@@ -110,6 +111,26 @@ class BatchInputs:
             block_size=block_size,
             num_tokens=num_tokens,
         )
+
+
+# A prompt group's padded query slots may be at most this many times its real query tokens.
+_MAX_PADDING_RATIO = 2
+
+
+def _prompt_row_groups(rows: np.ndarray, q_lens: np.ndarray) -> list[np.ndarray]:
+    """Prompt chunks split into groups of similar length, longest first: one 1,056-token chunk
+    and thirty 32-token ones (a shared prefix computed once, then the suffixes) would otherwise be
+    padded to 31 x 1,056 query rows, and attention would do 30 times the work."""
+    if len(rows) == 0:
+        return []
+    rows = rows[np.argsort(-q_lens[rows], kind="stable")]
+    lens = q_lens[rows]
+    groups, first = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or lens[first] * (i - first + 1) > _MAX_PADDING_RATIO * (lens[first : i + 1].sum()):
+            groups.append(rows[first:i])
+            first = i
+    return groups
 
 
 def _make_group(

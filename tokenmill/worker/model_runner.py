@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.scheduler import ScheduledChunk
-from tokenmill.layers.attention import Attention
+from tokenmill.layers.attention import Attention, GatherWorkspace
 from tokenmill.worker.batch import BatchInputs
 from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
 
@@ -37,7 +37,9 @@ class ModelRunner:
         Zeroed, so never-written slots (the null block, a block's unfilled tail) hold finite
         values: attention masks them, and 0 * garbage could otherwise be NaN.
         """
+        workspace = GatherWorkspace()
         for layer in self.attn_layers:
+            layer.workspace = workspace
             shape = (layer.num_kv_heads, num_blocks, self.block_size, layer.head_dim)
             layer.k_cache = self._zeros(shape)
             layer.v_cache = self._zeros(shape)
