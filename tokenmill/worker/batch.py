@@ -52,6 +52,8 @@ class AttentionGroup:
 
 @dataclass
 class BatchInputs:
+    """One forward pass's inputs; the tensors are on the model's device."""
+
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] cache slot of each new token: block_id * block_size + offset
@@ -62,6 +64,18 @@ class BatchInputs:
     attn_groups: list[AttentionGroup]  # decodes (if any) first, then prompt chunks by decreasing length
     block_size: int
     num_tokens: int
+    _slot_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def slot_rows(self, num_kv_heads: int, num_slots: int) -> torch.Tensor:
+        """Rows of a head-major cache viewed as [num_kv_heads * num_slots, head_dim] where the new
+        tokens' K/V go: head h's slots first, then head h + 1's (computed once per step)."""
+        key = (num_kv_heads, num_slots)
+        rows = self._slot_rows.get(key)
+        if rows is None:
+            heads = torch.arange(num_kv_heads, device=self.slot_mapping.device)[:, None] * num_slots
+            rows = (heads + self.slot_mapping[None, :]).flatten()
+            self._slot_rows[key] = rows
+        return rows
 
     @classmethod
     def build(cls, chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> "BatchInputs":
