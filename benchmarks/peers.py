@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="A,B,C,C-nocache", help="comma-separated, from: A, B, C, C-nocache")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: tiny100m, smollm2")
     parser.add_argument("--work-dir", default="~/.cache/tokenmill-peers", help="venvs, builds, models, results, logs")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every engine's dtype (default float32)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="every engine's dtype (default bfloat16, as the issue measures)")
     parser.add_argument("--port", type=int, default=8123, help="port of the server under test")
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
     parser.add_argument("--model-name", help=argparse.SUPPRESS)

@@ -24,7 +24,7 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatStreamChoice,
     usage,
 )
-from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, set_log_usage, stream_outputs
+from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, first_output, set_log_usage, stream_outputs
 from tokenmill.entrypoints.openai.streaming import DONE, SSEResponse, sse
 
 logger = logging.getLogger(__name__)
@@ -70,11 +70,7 @@ class OpenAIServingChat(OpenAIServing):
         outputs = stream_outputs(reqs, self.deadline())
         texts = TokenTexts(self.tokenizer, bool(request.return_tokens_as_token_ids))
         if request.stream:
-            try:
-                first = await outputs.__anext__()  # errors before any output are still an HTTP error
-            except BaseException:
-                await outputs.aclose()
-                raise
+            first = await first_output(outputs)
             return SSEResponse(self._stream(request, model, base_id, first[1], outputs, texts, raw))
         final: RequestOutput | None = None
         try:

@@ -89,6 +89,16 @@ async def _until(aw, deadline: float | None):
         raise RequestTimeout("the request took longer than the server's request timeout and was aborted") from None
 
 
+async def first_output(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> tuple[int, RequestOutput]:
+    """A stream's first output, awaited before the response headers go out, so that errors before
+    any output (a bad prompt, a full queue) are still plain HTTP errors; on error the stream is closed."""
+    try:
+        return await outputs.__anext__()
+    except BaseException:
+        await outputs.aclose()
+        raise
+
+
 async def stream_outputs(requests: list[EngineRequest], deadline: float | None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, cumulative output) as the engine makes them, until every request has finished.
 
