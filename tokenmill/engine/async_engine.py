@@ -12,7 +12,9 @@ Three stages run at once (the pipeline of the PPL.LLM design), so the model neve
 
 A stop string found in stage 3 reaches the engine thread as a stop order one step later; the token
 made meanwhile is dropped by the output side. With pipeline=False the engine thread does all three
-itself, one after the other (for measuring what the overlap saves).
+itself, one after the other (for measuring what the overlap saves). `tokenmill serve` runs the engine
+loop on the main thread instead (start(own_engine_thread=False), then run_engine_loop()): torch's
+OpenMP kernels run markedly slower on a secondary thread.
 """
 
 from __future__ import annotations
