@@ -181,6 +181,26 @@ def hf_model_factory(tiny_model_factory) -> Callable[..., torch.nn.Module]:
     return get
 
 
+@pytest.fixture(scope="session")
+def wide_tiny_llama(tmp_path_factory) -> str:
+    """A tiny seeded Llama (vocab 256, GQA) with widely spread weights, so greedy choices and beam
+    candidates are not decided by near-ties; shared by the parallel-sampling and beam-search tests."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.2)
+    path = tmp_path_factory.mktemp("wide_tiny_llama")
+    model.save_pretrained(path)
+    return str(path)
+
+
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]

@@ -17,33 +17,15 @@ VOCAB = 256
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # a wide spread: candidates are not decided by near-ties
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.2)
-    path = tmp_path_factory.mktemp("tiny_llama_beam")
-    model.save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama):
+def hf_model(wide_tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(wide_tiny_llama, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama) -> LLM:
-    return LLM(model=tiny_llama, dtype="float32", num_kv_blocks=256, block_size=8, max_num_batched_tokens=256)
+def llm(wide_tiny_llama) -> LLM:
+    return LLM(model=wide_tiny_llama, dtype="float32", num_kv_blocks=256, block_size=8, max_num_batched_tokens=256)
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -127,11 +109,11 @@ def test_beams_share_blocks(llm):
     assert_no_leak(llm)
 
 
-def test_beam_search_under_preemption_gives_the_same_beams(tiny_llama, llm):
+def test_beam_search_under_preemption_gives_the_same_beams(wide_tiny_llama, llm):
     prompts = [prompt_of(n, 60 + n) for n in (30, 25, 33)]
     params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
     reference = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
-    small = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=16, block_size=4, max_num_batched_tokens=32)
+    small = LLM(model=wide_tiny_llama, dtype="float32", num_kv_blocks=16, block_size=4, max_num_batched_tokens=32)
     pressed = small.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     assert small.llm_engine.scheduler.num_preemptions > 0
     for ref, out in zip(reference, pressed):
@@ -197,13 +179,13 @@ def test_beam_search_params_are_checked(llm):
     assert_no_leak(llm)
 
 
-def test_beam_search_in_a_cache_barely_larger_than_one_sequence(tiny_llama, llm):
+def test_beam_search_in_a_cache_barely_larger_than_one_sequence(wide_tiny_llama, llm):
     """Beams that wait for a preempted sibling give up their blocks rather than deadlock the batch."""
     rng = random.Random(1)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(5, 30))] for _ in range(4)]
     params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)
     reference = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
-    tight = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=14, block_size=4, max_num_batched_tokens=32)
+    tight = LLM(model=wide_tiny_llama, dtype="float32", num_kv_blocks=14, block_size=4, max_num_batched_tokens=32)
     out = tight.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     assert tight.llm_engine.scheduler.num_preemptions > 0
     assert [[s.tokens for s in o.sequences] for o in out] == [[s.tokens for s in r.sequences] for r in reference]

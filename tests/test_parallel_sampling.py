@@ -16,26 +16,8 @@ VOCAB = 256
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # a wide spread: argmax is not decided by near-ties
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.2)
-    path = tmp_path_factory.mktemp("tiny_llama_parallel")
-    model.save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama) -> LLM:
-    return LLM(model=tiny_llama, dtype="float32", num_kv_blocks=256, block_size=16, max_num_batched_tokens=512)
+def llm(wide_tiny_llama) -> LLM:
+    return LLM(model=wide_tiny_llama, dtype="float32", num_kv_blocks=256, block_size=16, max_num_batched_tokens=512)
 
 
 def prompt_of(length: int, seed: int = 0) -> list[int]:
@@ -138,7 +120,7 @@ def test_best_of_returns_the_top_n_by_cumulative_logprob(llm):
     assert_no_leak(llm)
 
 
-def test_forked_sequences_preempted_give_the_same_tokens(tiny_llama, llm):
+def test_forked_sequences_preempted_give_the_same_tokens(wide_tiny_llama, llm):
     prompts = [prompt_of(n, seed=10 + n) for n in (23, 40, 9, 31)]
     params = [
         SamplingParams(n=3, temperature=0.9, seed=5 + i, max_tokens=20, ignore_eos=True) if i % 2 == 0
@@ -147,7 +129,7 @@ def test_forked_sequences_preempted_give_the_same_tokens(tiny_llama, llm):
     ]
     reference = generate(llm, prompts, params)
     assert llm.llm_engine.scheduler.num_preemptions == 0
-    small = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=12, block_size=8, max_num_batched_tokens=64)
+    small = LLM(model=wide_tiny_llama, dtype="float32", num_kv_blocks=12, block_size=8, max_num_batched_tokens=64)
     pressed = generate(small, prompts, params)
     assert small.llm_engine.scheduler.num_preemptions > 0
     for ref, out in zip(reference, pressed):
