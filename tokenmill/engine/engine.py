@@ -188,11 +188,14 @@ class LLMEngine:
 
     def submit(self, request: Request) -> None:
         """Queue a request made by make_request (the engine loop's side of add_request)."""
-        if request.request_id in self._groups or request.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._check_id_free(request.request_id)
         self.scheduler.add_request(request)
         if request.group is not None:
             self._groups[request.request_id] = request.group
+
+    def _check_id_free(self, request_id: str) -> None:
+        if request_id in self._groups or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
 
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         request = self.make_request(prompt, params, request_id)
@@ -207,8 +210,7 @@ class LLMEngine:
         the beam_width best hypotheses, best first (token_ids, text, cumulative_logprob, finish_reason)."""
         text, token_ids = self._servable_prompt(prompt)
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self._groups or request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_id_free(request_id)
         root = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,

@@ -96,13 +96,6 @@ class OutputProcessor:
         """Forget a request that failed (its caller is told by other means)."""
         self._requests.pop(request_id, None)
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
-
     def process(self, step: CoreStep) -> tuple[list[RequestOutput], list[StopOrder]]:
         """Apply a step's updates; one output per request that changed, and the stop strings found."""
         touched: dict[str, _RequestState] = {}

@@ -11,6 +11,13 @@ import torch
 from tokenmill.engine.scheduler import ScheduledChunk
 
 
+def head_major_rows(index: torch.Tensor, num_kv_heads: int, rows_per_head: int) -> torch.Tensor:
+    """Rows of a head-major cache viewed as [num_kv_heads * rows_per_head, ...] for the given per-head
+    row indices (blocks or slots): head 0's rows in index order, then head 1's, and so on."""
+    heads = torch.arange(num_kv_heads, device=index.device)[:, None] * rows_per_head
+    return (heads + index.flatten()[None, :]).flatten()
+
+
 @dataclass
 class AttentionGroup:
     """Requests of one shape class (decodes, or prompt chunks) padded to a common query length.
@@ -31,9 +38,7 @@ class AttentionGroup:
         key = (num_kv_heads, num_blocks)
         rows = self._kv_rows.get(key)
         if rows is None:
-            heads = torch.arange(num_kv_heads, device=self.block_table.device)[:, None] * num_blocks
-            rows = (heads + self.block_table.flatten()[None, :]).flatten()
-            self._kv_rows[key] = rows
+            rows = self._kv_rows[key] = head_major_rows(self.block_table, num_kv_heads, num_blocks)
         return rows
 
     def mask(self, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
@@ -72,9 +77,7 @@ class BatchInputs:
         key = (num_kv_heads, num_slots)
         rows = self._slot_rows.get(key)
         if rows is None:
-            heads = torch.arange(num_kv_heads, device=self.slot_mapping.device)[:, None] * num_slots
-            rows = (heads + self.slot_mapping[None, :]).flatten()
-            self._slot_rows[key] = rows
+            rows = self._slot_rows[key] = head_major_rows(self.slot_mapping, num_kv_heads, num_slots)
         return rows
 
     @classmethod
