@@ -17,6 +17,7 @@ from tokenmill.bench.datasets import (
     DATASETS,
     SampleRequest,
     allowed_token_ids,
+    check_at_least,
     check_fits,
     describe,
     ids_to_text,
@@ -164,8 +165,7 @@ def build_requests(args: argparse.Namespace, tokenizer, vocab_size: int, exclude
 
 def precheck_dataset_args(args: argparse.Namespace) -> None:
     """The dataset mistakes that can be found before a model is loaded or a server contacted."""
-    if args.num_prompts < 1:
-        raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    check_at_least("--num-prompts", args.num_prompts, 1)
     if args.dataset == "random":
         length_range("input", args.input_len, args.random_range_ratio, args.min_input_len, args.max_input_len)
         length_range("output", args.output_len, args.random_range_ratio, args.min_output_len, args.max_output_len)

@@ -70,9 +70,11 @@ def allowed_token_ids(vocab_size: int, exclude: Iterable[int] = ()) -> np.ndarra
     return ids
 
 
-def _check_num_prompts(num_prompts: int) -> None:
-    if num_prompts < 1:
-        raise ValueError(f"--num-prompts must be at least 1, got {num_prompts}")
+def check_at_least(flag: str, value: int, minimum: int) -> None:
+    """A count given on the command line that must be at least `minimum`: a one-line error naming the flag."""
+    if value < minimum:
+        bound = f"at least {minimum}" if minimum else ">= 0"
+        raise ValueError(f"{flag} must be {bound}, got {value}")
 
 
 def random_dataset(
@@ -84,7 +86,7 @@ def random_dataset(
     exclude: Iterable[int] = (),
 ) -> list[SampleRequest]:
     """Prompts of random token ids; input and output lengths uniform in their ranges (inclusive)."""
-    _check_num_prompts(num_prompts)
+    check_at_least("--num-prompts", num_prompts, 1)
     allowed = allowed_token_ids(vocab_size, exclude)
     rng = np.random.default_rng(seed)
     input_lens = rng.integers(input_range[0], input_range[1] + 1, size=num_prompts)
@@ -108,15 +110,11 @@ def prefix_dataset(
     """Requests sharing a long common prefix (request i takes prefix i % num_prefixes), each with its own
     random suffix. The suffixes' first tokens are all different (while the vocabulary allows), so the
     requests of one prefix share exactly prefix_len tokens."""
-    _check_num_prompts(num_prompts)
-    if prefix_len < 0:
-        raise ValueError(f"--prefix-len must be >= 0, got {prefix_len}")
-    if suffix_len < 1:
-        raise ValueError(f"--suffix-len must be at least 1, got {suffix_len}")
-    if output_len < 1:
-        raise ValueError(f"--output-len must be at least 1, got {output_len}")
-    if num_prefixes < 1:
-        raise ValueError(f"--num-prefixes must be at least 1, got {num_prefixes}")
+    check_at_least("--num-prompts", num_prompts, 1)
+    check_at_least("--prefix-len", prefix_len, 0)
+    check_at_least("--suffix-len", suffix_len, 1)
+    check_at_least("--output-len", output_len, 1)
+    check_at_least("--num-prefixes", num_prefixes, 1)
     allowed = allowed_token_ids(vocab_size, exclude)
     rng = np.random.default_rng(seed)
     prefixes = [rng.choice(allowed, size=prefix_len).tolist() for _ in range(num_prefixes)]
@@ -186,7 +184,7 @@ def sharegpt_dataset(
     """num_prompts conversations drawn (shuffled by seed) from a ShareGPT file: the first turn is the prompt;
     the output length is the second turn's token count, or output_len if given. Filtered as vLLM does
     (prompt and completion at least 4 tokens, prompt at most 1024, both at most 2048 and the context)."""
-    _check_num_prompts(num_prompts)
+    check_at_least("--num-prompts", num_prompts, 1)
     if output_len is not None and output_len < 1:
         raise ValueError(f"--sharegpt-output-len must be at least 1, got {output_len}")
     pairs = load_sharegpt(path)

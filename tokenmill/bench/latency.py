@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 from tqdm.auto import tqdm
 
-from tokenmill.bench.datasets import allowed_token_ids
+from tokenmill.bench.datasets import allowed_token_ids, check_at_least
 from tokenmill.bench.metrics import percentile
 from tokenmill.sampling_params import SamplingParams
 
@@ -24,16 +24,11 @@ LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)  # vLLM's bench latency
 
 
 def check_latency_args(batch_size: int, input_len: int, output_len: int, num_iters: int, num_iters_warmup: int) -> None:
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
-    if input_len < 1:
-        raise ValueError(f"--input-len must be at least 1, got {input_len}")
-    if output_len < 1:
-        raise ValueError(f"--output-len must be at least 1, got {output_len}")
-    if num_iters < 1:
-        raise ValueError(f"--num-iters must be at least 1, got {num_iters}")
-    if num_iters_warmup < 0:
-        raise ValueError(f"--num-iters-warmup must be >= 0, got {num_iters_warmup}")
+    check_at_least("--batch-size", batch_size, 1)
+    check_at_least("--input-len", input_len, 1)
+    check_at_least("--output-len", output_len, 1)
+    check_at_least("--num-iters", num_iters, 1)
+    check_at_least("--num-iters-warmup", num_iters_warmup, 0)
 
 
 def latency_prompts(vocab_size: int, batch_size: int, input_len: int, count: int, seed: int, exclude: Iterable[int] = ()) -> list[list[list[int]]]:
