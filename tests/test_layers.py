@@ -1,5 +1,6 @@
-"""Kernels against plain PyTorch references: paged attention (decodes as batched matmuls, prompt
-chunks through SDPA) over a head-major paged cache, and the prepacked CPU bf16 linear."""
+"""Kernels against plain PyTorch references: paged attention over a head-major paged cache (the
+torch backend: decodes as batched matmuls, prompt chunks through SDPA; the CPU backend: decodes in
+tokenmill's C++ kernel, with and without AVX-512 head sizes), and the prepacked CPU bf16 linear."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 
 from tokenmill.config import cpu_has_native_bf16, resolve_dtype
 from tokenmill.engine.scheduler import ScheduledChunk
-from tokenmill.layers.attention import Attention
+from tokenmill.kernels.cpu import cpu_kernels_available
+from tokenmill.layers.attention import Attention, CpuPagedAttention, TorchPagedAttention
 from tokenmill.layers.linear import PackedCPUWeight, cpu_packed_weights_supported
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.batch import BatchInputs
@@ -35,13 +37,22 @@ def reference_attention(q, k, v, num_kv_heads: int, start: int, scale: float, wi
     return torch.einsum("htc,chd->thd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+BACKENDS = [
+    TorchPagedAttention,
+    pytest.param(CpuPagedAttention, marks=pytest.mark.skipif(not cpu_kernels_available(), reason="CPU kernels did not build")),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_matches_reference(dtype, tol, num_kv_heads, window):
+@pytest.mark.parametrize("head_dim", [8, 64])  # 64: the kernel's 16-lane path; 8: its scalar loops
+def test_paged_attention_matches_reference(backend, dtype, tol, num_kv_heads, window, head_dim):
     torch.manual_seed(0)
-    num_heads, head_dim, num_blocks = 4, 8, 40
+    num_heads, num_blocks = 4, 40
     attn = Attention(num_heads, head_dim, num_kv_heads, head_dim**-0.5, sliding_window=window)
+    attn.backend = backend
     attn.k_cache = torch.zeros(num_kv_heads, num_blocks, BLOCK, head_dim, dtype=dtype)
     attn.v_cache = torch.zeros_like(attn.k_cache)
     # (context already cached, new tokens this step): decodes, a first prompt chunk, a later chunk.
@@ -89,3 +100,19 @@ def test_auto_dtype_on_cpu_follows_native_bf16():
     want = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert resolve_dtype("auto", cpu, torch.float16) == want
     assert resolve_dtype("float32", cpu, None) == torch.float32
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="CPU kernels did not build")
+@pytest.mark.parametrize("vocab", [1, 7, 16, 33, 1000, 49152])
+def test_cpu_argmax_logsumexp_matches_torch(vocab):
+    from tokenmill.kernels.cpu import argmax_logsumexp
+
+    torch.manual_seed(vocab)
+    logits = torch.randn(9, vocab) * 5
+    logits[1] = logits[1].max() + 1  # a row of ties: the first index wins, as torch.argmax
+    logits[2] = float("-inf")  # a fully masked row (grammar): index 0, logsumexp -inf
+    logits[3, -1] = logits[3].max() + 2  # the maximum in the scalar tail
+    logits[4, vocab // 2 :] = float("-inf")
+    ids, lse = argmax_logsumexp(logits)
+    assert torch.equal(ids, logits.argmax(dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1))

@@ -31,6 +31,13 @@ class AttentionGroup:
     query_pos: torch.Tensor  # [b, max_q] position of each query token
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _kv_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def decode_rows_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode group's token rows and query positions, one per request, contiguous (made once per step)."""
+        if self._decode_inputs is None:
+            self._decode_inputs = (self.token_index[:, 0].contiguous(), self.query_pos[:, 0].contiguous())
+        return self._decode_inputs
 
     def kv_rows(self, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
         """Rows of a head-major cache viewed as [num_kv_heads * num_blocks, ...] holding the group's

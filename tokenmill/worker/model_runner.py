@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.scheduler import ScheduledChunk
-from tokenmill.layers.attention import Attention, GatherWorkspace
+from tokenmill.layers.attention import Attention, GatherWorkspace, attention_backend
 from tokenmill.worker.batch import BatchInputs
 from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
 
@@ -38,8 +38,10 @@ class ModelRunner:
         values: attention masks them, and 0 * garbage could otherwise be NaN.
         """
         workspace = GatherWorkspace()
+        backend = attention_backend(self.device)
         for layer in self.attn_layers:
             layer.workspace = workspace
+            layer.backend = backend
             shape = (layer.num_kv_heads, num_blocks, self.block_size, layer.head_dim)
             layer.k_cache = self._zeros(shape)
             layer.v_cache = self._zeros(shape)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.kernels import cpu as cpu_kernels
 
 _MASK31 = 0x7FFFFFFF
 _HASH_MUL = 0x45D9F3B  # < 2**31, so a 31-bit value times it stays inside int64
@@ -323,13 +324,32 @@ class LogprobsTensors:
     topk_logprobs: torch.Tensor | None = None  # [N, k]
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int | None) -> LogprobsTensors:
+def argmax_and_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax and logsumexp ([N, V] float32 -> [N], [N]): one pass in tokenmill's CPU kernel
+    where it is built (torch's CPU argmax alone is ten times slower than a max), torch ops elsewhere."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.cpu_kernels_available():
+        return cpu_kernels.argmax_logsumexp(logits)
+    return logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
+
+
+def row_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's logsumexp, computed as argmax_and_logsumexp does, so a logprob is the same number
+    whichever path computed it."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.cpu_kernels_available():
+        return cpu_kernels.argmax_logsumexp(logits)[1]
+    return torch.logsumexp(logits, dim=-1)
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int | None, lse: torch.Tensor | None = None
+) -> LogprobsTensors:
     """Log-softmax of `logits` ([N, V] float32) at `token_ids` ([N]); with num_logprobs (k >= 0) also the
     tokens' ranks (how many tokens are at least as likely, itself included) and the k most likely tokens.
 
     Every logprob is `logit - logsumexp(row)`, so a token's logprob is the same number wherever it shows up.
+    lse: the rows' logsumexp where the caller has it already.
     """
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    lse = (row_logsumexp(logits) if lse is None else lse)[:, None]
     chosen = logits.gather(1, token_ids[:, None])
     out = LogprobsTensors(token_logprobs=(chosen - lse)[:, 0])
     if num_logprobs is None:
@@ -357,12 +377,15 @@ class Sampler(nn.Module):
         # The grammar mask comes first and counts as part of the model's distribution, as in vLLM
         # (whose runner masks the logits before its sampler sees them).
         raw = apply_grammar_bitmask(logits.float(), meta.grammar_bitmask)
-        token_ids = self._sample(apply_logits_processors(raw, meta), meta)
-        return SamplerOutput(token_ids=token_ids, logprobs=compute_logprobs(raw, token_ids, meta.max_num_logprobs))
+        processed = apply_logits_processors(raw, meta)
+        greedy, lse = argmax_and_logsumexp(raw)
+        if processed is not raw:  # penalties, bias or bans may change even the greedy choice
+            greedy = processed.argmax(dim=-1)
+        token_ids = self._sample(processed, greedy, meta)
+        return SamplerOutput(token_ids=token_ids, logprobs=compute_logprobs(raw, token_ids, meta.max_num_logprobs, lse))
 
     @staticmethod
-    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
+    def _sample(logits: torch.Tensor, greedy: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if meta.all_greedy:
             return greedy
         is_greedy = meta.temperature == 0.0

@@ -1,0 +1,177 @@
+// Decode attention straight from the paged, head-major KV cache (CPU).
+//
+// One query token per request attends to its request's context, read block by block through
+// the block table: no gathered copy of the context is ever made. The work is split over
+// (request, KV head) pairs; the G query heads that share a KV head are done together, so each
+// K and V row is read once for all of them. Scores and softmax are float32.
+//
+// Built for the machine it runs on (-march=native): with AVX-512, bf16/fp16 rows are widened to
+// float32 in registers and the dot products, V sums and exponentials run 16 lanes at a time.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Widening loads and the few vector primitives the kernel needs: AVX-512 when the build machine
+// has it (16 float lanes), plain loops (which the compiler may still vectorize) otherwise.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float32
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+template <typename scalar_t>
+inline float dot(const float* q, const scalar_t* k, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), s);
+    return _mm512_reduce_add_ps(s);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
+  return s;
+}
+
+// acc += p * v
+template <typename scalar_t>
+inline void axpy(float* acc, float p, const scalar_t* v, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    const __m512 pv = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) acc[d] += p * static_cast<float>(v[d]);
+}
+
+#if defined(__AVX512F__)
+extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc's libmvec: 16 expf at once
+#endif
+
+// x[i] := exp(x[i] - m); returns the sum.
+inline float exp_sum(float* x, int64_t n, float m) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
+    _mm512_storeu_ps(x + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    sum += x[i];
+  }
+  return sum;
+}
+
+template <typename scalar_t>
+void decode_kernel(
+    const scalar_t* q,            // [T, Hkv * G, D]
+    const scalar_t* k_cache,      // [Hkv, NB, BS, D]
+    const scalar_t* v_cache,      // [Hkv, NB, BS, D]
+    const int64_t* token_rows,    // [B] row of each request's query token in q / out
+    const int64_t* block_table,   // [B, MB]
+    const int64_t* positions,     // [B] position of the query token; the context is 0..position
+    scalar_t* out,                // [T, Hkv * G, D]
+    int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, int64_t MB,
+    int64_t window, float scale) {
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t len = positions[b] + 1;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      scores.resize(G * n);
+      const scalar_t* qrow = q + (token_rows[b] * Hkv + h) * G * D;
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qrow[i]) * scale;
+      const scalar_t* k_head = k_cache + h * NB * BS * D;
+      const scalar_t* v_head = v_cache + h * NB * BS * D;
+      const int64_t* blocks = block_table + b * MB;
+
+      for (int64_t t = first; t < len; ++t) {
+        const scalar_t* k = k_head + (blocks[t / BS] * BS + t % BS) * D;
+        for (int64_t g = 0; g < G; ++g) scores[g * n + (t - first)] = dot(qf.data() + g * D, k, D);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * n;
+        const float m = *std::max_element(sg, sg + n);
+        const float inv = 1.f / exp_sum(sg, n, m);
+        for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = first; t < len; ++t) {
+        const scalar_t* v = v_head + (blocks[t / BS] * BS + t % BS) * D;
+        for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, scores[g * n + (t - first)], v, D);
+      }
+      scalar_t* orow = out + (token_rows[b] * Hkv + h) * G * D;
+      for (int64_t i = 0; i < G * D; ++i) orow[i] = static_cast<scalar_t>(acc[i]);
+    }
+  });
+}
+
+// out[token_rows] = attention of q[token_rows] over each request's paged context; other rows untouched.
+void paged_decode_attention(
+    at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& token_rows, const at::Tensor& block_table, const at::Tensor& positions,
+    int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.size(1) == q.size(1) && out.size(2) == q.size(2),
+              "q and out must be [T, H, D] with the same H and D");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [Hkv, blocks, block_size, D]");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q, out and the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(), "q, out and the caches must share a dtype");
+  TORCH_CHECK(token_rows.scalar_type() == at::kLong && block_table.scalar_type() == at::kLong &&
+                  positions.scalar_type() == at::kLong, "index tensors must be int64");
+  const auto rows = token_rows.contiguous(), table = block_table.contiguous(), pos = positions.contiguous();
+  const int64_t B = rows.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "head sizes of q and the caches disagree");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && pos.size(0) == B, "block_table / positions must have a row per request");
+  const auto run = [&](auto* type_tag) {
+    using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
+    decode_kernel<scalar_t>(
+        q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), rows.data_ptr<int64_t>(),
+        table.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hkv, H / Hkv, D, NB, BS,
+        table.size(1), window, static_cast<float>(scale));
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: dtype must be float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill_cpu, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor token_rows, "
+        "Tensor block_table, Tensor positions, int window, float scale) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}

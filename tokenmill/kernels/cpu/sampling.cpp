@@ -1,0 +1,93 @@
+// Greedy sampling's two row reductions in one pass over the logits (CPU): the argmax (first index
+// of the maximum, as torch.argmax) and the logsumexp (for the sampled token's logprob).
+//
+// torch's CPU argmax over a [32, 49152] float32 batch took 1.2 ms and logsumexp 0.9 ms, 7% of
+// a batch-32 decode step of a 113M model; this takes a fraction of that. Rows run in parallel.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+namespace {
+
+#if defined(__AVX512F__)
+extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc's libmvec: 16 expf at once
+#endif
+
+// (argmax, logsumexp) of one row. NaN logits are not supported (the engine never produces them).
+std::pair<int64_t, float> row_argmax_lse(const float* x, int64_t n) {
+  int64_t i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_i = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    // Per lane: the largest value and the first index where it occurs.
+    __m512 vbest = _mm512_loadu_ps(x);
+    __m512i vidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i vbest_idx = vidx;
+    const __m512i step = _mm512_set1_epi32(16);
+    for (i = 16; i + 16 <= n; i += 16) {
+      vidx = _mm512_add_epi32(vidx, step);
+      const __m512 v = _mm512_loadu_ps(x + i);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);  // strictly greater keeps the first index
+      vbest = _mm512_mask_mov_ps(vbest, gt, v);
+      vbest_idx = _mm512_mask_mov_epi32(vbest_idx, gt, vidx);
+    }
+    alignas(64) float vals[16];
+    alignas(64) int32_t idxs[16];
+    _mm512_store_ps(vals, vbest);
+    _mm512_store_si512(idxs, vbest_idx);
+    for (int lane = 0; lane < 16; ++lane) {
+      if (vals[lane] > best || (vals[lane] == best && idxs[lane] < best_i)) {
+        best = vals[lane];
+        best_i = idxs[lane];
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    if (x[i] > best) {
+      best = x[i];
+      best_i = i;
+    }
+  }
+  if (std::isinf(best) && best < 0) return {best_i, best};  // every logit is -inf
+  float sum = 0.f;
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 vmax = _mm512_set1_ps(best);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + i), vmax)));
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += std::exp(x[i] - best);
+  return {best_i, best + std::log(sum)};
+}
+
+std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "logits must be [rows, vocab] float32");
+  const auto x = logits.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(n > 0 && n < (int64_t{1} << 31), "vocab size must be in [1, 2**31)");
+  auto ids = at::empty({rows}, x.options().dtype(at::kLong));
+  auto lse = at::empty({rows}, x.options());
+  const float* data = x.data_ptr<float>();
+  int64_t* ids_out = ids.data_ptr<int64_t>();
+  float* lse_out = lse.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) std::tie(ids_out[r], lse_out[r]) = row_argmax_lse(data + r * n, n);
+  });
+  return {ids, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("argmax_logsumexp(Tensor logits) -> (Tensor, Tensor)");
+  m.impl("argmax_logsumexp", c10::DispatchKey::CPU, &argmax_logsumexp);
+}
