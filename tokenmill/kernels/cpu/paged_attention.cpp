@@ -88,6 +88,17 @@ inline float exp_sum(float* x, int64_t n, float m) {
   return sum;
 }
 
+// f(cache row, position) for positions first .. len-1, walking the block table block by block
+// (a division per token cost more than the dot products).
+template <typename F>
+inline void for_each_row(int64_t first, int64_t len, int64_t BS, const int64_t* blocks, F&& f) {
+  for (int64_t i = first / BS, t = first; t < len; ++i) {
+    const int64_t base = blocks[i] * BS - i * BS;  // cache row of position t is base + t
+    const int64_t stop = std::min(len, (i + 1) * BS);
+    for (; t < stop; ++t) f(base + t, t);
+  }
+}
+
 template <typename scalar_t>
 void decode_kernel(
     const scalar_t* q,            // [T, Hkv * G, D]
@@ -113,10 +124,10 @@ void decode_kernel(
       const scalar_t* v_head = v_cache + h * NB * BS * D;
       const int64_t* blocks = block_table + b * MB;
 
-      for (int64_t t = first; t < len; ++t) {
-        const scalar_t* k = k_head + (blocks[t / BS] * BS + t % BS) * D;
+      for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
+        const scalar_t* k = k_head + row * D;
         for (int64_t g = 0; g < G; ++g) scores[g * n + (t - first)] = dot(qf.data() + g * D, k, D);
-      }
+      });
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
         const float m = *std::max_element(sg, sg + n);
@@ -124,10 +135,10 @@ void decode_kernel(
         for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = first; t < len; ++t) {
-        const scalar_t* v = v_head + (blocks[t / BS] * BS + t % BS) * D;
+      for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
+        const scalar_t* v = v_head + row * D;
         for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, scores[g * n + (t - first)], v, D);
-      }
+      });
       scalar_t* orow = out + (token_rows[b] * Hkv + h) * G * D;
       for (int64_t i = 0; i < G * D; ++i) orow[i] = static_cast<scalar_t>(acc[i]);
     }
