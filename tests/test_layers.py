@@ -116,3 +116,62 @@ def test_cpu_argmax_logsumexp_matches_torch(vocab):
     ids, lse = argmax_logsumexp(logits)
     assert torch.equal(ids, logits.argmax(dim=-1))
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1))
+
+
+# -- the fused pointwise CPU ops against the eager torch code they replace --------------------------
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="CPU kernels did not build")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def one_ulp(dtype):
+    return dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_rms_norm_and_residual_add_match_torch(dtype):
+    from tokenmill.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(96, eps=1e-5)
+    norm.weight.data = torch.randn(96).to(dtype)
+    x = torch.randn(7, 96).to(dtype)
+    residual = torch.randn(7, 96).to(dtype)
+    # The sum of squares is accumulated in another order: float32 may differ in the last bits.
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else one_ulp(dtype)
+    torch.testing.assert_close(norm(x), norm._torch_forward(x), **tol)
+    want_residual = residual + x
+    out, new_residual = norm(x, residual.clone())
+    assert torch.equal(new_residual, want_residual)  # the residual add rounds exactly as torch's
+    torch.testing.assert_close(out, norm._torch_forward(want_residual), **tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_silu_and_mul_matches_torch(dtype):
+    from tokenmill.layers.activation import SiluAndMul
+
+    torch.manual_seed(0)
+    x = (torch.randn(5, 2 * 40) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(SiluAndMul()(x), F.silu(gate) * up, **(dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else one_ulp(dtype)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_rotary_matches_torch_exactly(dtype):
+    """On strided q/k views of a fused qkv output, as the model passes them: bit-equal results."""
+    from tokenmill.layers.rotary import apply_rotary, rotate_half
+
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, head_dim = 6, 4, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    cos, sin = torch.randn(tokens, head_dim).to(dtype), torch.randn(tokens, head_dim).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    want_q = q * cos[:, None] + rotate_half(q) * sin[:, None]
+    want_k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+    got_q, got_k = apply_rotary(q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)

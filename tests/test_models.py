@@ -63,6 +63,18 @@ def test_greedy_matches_hf(name, tiny_model_factory, hf_reference):
         assert got == hf_reference(name, prompt), f"{name}: prompt of {len(prompt)} tokens diverges from HF"
 
 
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "qwen3", "mistral_swa"])
+def test_greedy_matches_hf_without_cpu_kernels(name, tiny_model_factory, hf_reference, monkeypatch):
+    """The plain PyTorch paths (what runs where the C++ CPU kernels do not build, and on other devices)."""
+    from tokenmill.kernels import cpu as cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "cpu_kernels_available", lambda: False)
+    llm = make_llm(tiny_model_factory(name))
+    assert llm.llm_engine.runner.attn_layers[0].backend.__name__ == "TorchPagedAttention"
+    for prompt in random_prompts(PROMPT_LENGTHS, seed=11):
+        assert generate(llm, [prompt])[0] == hf_reference(name, prompt), f"{name}: prompt of {len(prompt)} tokens"
+
+
 @pytest.mark.parametrize(
     "engine_args",
     [

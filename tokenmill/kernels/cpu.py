@@ -19,8 +19,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "sampling.cpp")]
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+_DIR = Path(__file__).parent / "cpu"
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "sampling.cpp", "pointwise.cpp")]
+_HEADERS = [_DIR / "vec.h"]
+# -ffp-contract=off: no fused multiply-adds the source does not write, so the pointwise ops round as torch does.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 
 
 def _cpu_flags() -> str:
@@ -41,7 +44,7 @@ def cpu_kernels_available() -> bool:
     from torch.utils import cpp_extension
 
     digest = hashlib.sha256()
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(_CFLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode())
     name = f"tokenmill_cpu_{digest.hexdigest()[:16]}"
@@ -55,11 +58,17 @@ def cpu_kernels_available() -> bool:
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths still work
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        logger.warning("tokenmill's CPU kernels could not be built; using the PyTorch paths (%s)", first_line)
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        reason = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0])
+        logger.warning("tokenmill's CPU kernels could not be built; using the PyTorch paths (%s)", reason[:300])
         logger.debug("CPU kernel build failure", exc_info=True)
         return False
     return True
+
+
+def use_cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether ops on x can run in these kernels: a CPU tensor, and the kernels built."""
+    return x.device.type == "cpu" and cpu_kernels_available()
 
 
 def paged_decode_attention(
@@ -80,3 +89,23 @@ def paged_decode_attention(
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's argmax (first index of the maximum) and logsumexp, in one pass (see sampling.cpp)."""
     return torch.ops.tokenmill_cpu.argmax_logsumexp(logits)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of each row of x ([rows, hidden], contiguous rows) in one op (see pointwise.cpp)."""
+    return torch.ops.tokenmill_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place, rounded to its dtype), then the RMSNorm of residual, in one op."""
+    return torch.ops.tokenmill_cpu.add_rms_norm(residual, x, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[rows, 2I] (gate | up) -> silu(gate) * up, in one op."""
+    return torch.ops.tokenmill_cpu.silu_and_mul(x)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding (neox halves) applied in place to q [T, H, D] and k [T, Hkv, D]; cos/sin [T, D]."""
+    torch.ops.tokenmill_cpu.rotary(q, k, cos, sin)

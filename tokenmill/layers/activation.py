@@ -8,10 +8,13 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.kernels import cpu as cpu_kernels
 
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.use_cpu_kernels(x) and x.dim() == 2 and x.stride(-1) == 1:
+            return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

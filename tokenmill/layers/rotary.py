@@ -7,6 +7,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.kernels import cpu as cpu_kernels
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -31,6 +32,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] and k [T, Hkv, D] rotated by cos/sin [T, D]: in place in one CPU op where it can run,
+    else as transformers writes it."""
+    if cpu_kernels.use_cpu_kernels(q) and all(x.stride(-1) == 1 and x.stride(1) == x.shape[2] for x in (q, k)):
+        cpu_kernels.rotary(q, k, cos, sin)
+        return q, k
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, max_position: int, freq_factors: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -43,5 +54,5 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each position, shaped [T, 1, D] to broadcast over heads."""
-        return self.cos_cache[positions].to(dtype)[:, None, :], self.sin_cache[positions].to(dtype)[:, None, :]
+        """cos and sin for each position, shaped [T, D]."""
+        return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)

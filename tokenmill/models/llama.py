@@ -13,7 +13,7 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import LMHead, VocabEmbedding, project_logits
 from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, rotate_half
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.weights import load_named_weights
 from tokenmill.worker.batch import BatchInputs
 
@@ -55,8 +55,7 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rotary(q, k, cos, sin)
         out = self.attn(q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v, batch)
         return self.o_proj(out)
 
@@ -83,9 +82,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: BatchInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sublayer output, residual stream before it) -> the same after this layer. The residual add
+        happens inside the next norm (one fused op on CPU), as in vLLM."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(self.self_attn(hidden, cos, sin, batch), residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -101,9 +108,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, batch)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, batch)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -12,60 +12,80 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-// Widening loads and the few vector primitives the kernel needs: AVX-512 when the build machine
-// has it (16 float lanes), plain loops (which the compiler may still vectorize) otherwise.
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float32
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using tokenmill_cpu::load16;
 #endif
 
+// For each of the G query heads of a KV head: out[g * out_stride] = q_g . k. The key row is
+// widened to float32 once for all G heads.
 template <typename scalar_t>
-inline float dot(const float* q, const scalar_t* k, int64_t D) {
+inline void dot_heads(const float* q, const scalar_t* k, int64_t G, int64_t D, float* out, int64_t out_stride) {
 #if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    __m512 s = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), s);
-    return _mm512_reduce_add_ps(s);
-  }
-#endif
-  float s = 0.f;
-  for (int64_t d = 0; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
-  return s;
-}
-
-// acc += p * v
-template <typename scalar_t>
-inline void axpy(float* acc, float p, const scalar_t* v, int64_t D) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    const __m512 pv = _mm512_set1_ps(p);
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+  if (D % 16 == 0 && D <= 256) {
+    const int64_t chunks = D / 16;
+    __m512 kv[16];
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(k + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+      for (int64_t c = 1; c < chunks; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], s);
+      out[g * out_stride] = _mm512_reduce_add_ps(s);
+    }
     return;
   }
 #endif
-  for (int64_t d = 0; d < D; ++d) acc[d] += p * static_cast<float>(v[d]);
+  for (int64_t g = 0; g < G; ++g) {
+    float s = 0.f;
+    for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * static_cast<float>(k[d]);
+    out[g * out_stride] = s;
+  }
 }
 
+// For each of the G query heads: acc_g += p[g * p_stride] * v, the value row widened once.
+template <typename scalar_t>
+inline void axpy_heads(float* acc, const float* p, int64_t p_stride, const scalar_t* v, int64_t G, int64_t D) {
 #if defined(__AVX512F__)
-extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc's libmvec: 16 expf at once
+  if (D % 16 == 0 && D <= 256) {
+    const int64_t chunks = D / 16;
+    __m512 vv[16];
+    for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(v + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * p_stride]);
+      float* ag = acc + g * D;
+      for (int64_t c = 0; c < chunks; ++c)
+        _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(pg, vv[c], _mm512_loadu_ps(ag + 16 * c)));
+    }
+    return;
+  }
 #endif
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p[g * p_stride] * static_cast<float>(v[d]);
+}
+
+// max(x[0..n)); std::max_element compiled to a scalar loop through memory, a quarter of the kernel's time.
+inline float row_max(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 vm = _mm512_loadu_ps(x);
+    for (i = 16; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
+    m = _mm512_reduce_max_ps(vm);
+  }
+#endif
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
 
 // x[i] := exp(x[i] - m); returns the sum.
 inline float exp_sum(float* x, int64_t n, float m) {
@@ -126,18 +146,17 @@ void decode_kernel(
 
       for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
         const scalar_t* k = k_head + row * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * n + (t - first)] = dot(qf.data() + g * D, k, D);
+        dot_heads(qf.data(), k, G, D, scores.data() + (t - first), n);
       });
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
-        const float m = *std::max_element(sg, sg + n);
-        const float inv = 1.f / exp_sum(sg, n, m);
+        const float inv = 1.f / exp_sum(sg, n, row_max(sg, n));
         for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
         const scalar_t* v = v_head + row * D;
-        for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, scores[g * n + (t - first)], v, D);
+        axpy_heads(acc.data(), scores.data() + (t - first), n, v, G, D);
       });
       scalar_t* orow = out + (token_rows[b] * Hkv + h) * G * D;
       for (int64_t i = 0; i < G * D; ++i) orow[i] = static_cast<scalar_t>(acc[i]);

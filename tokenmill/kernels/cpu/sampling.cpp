@@ -7,17 +7,14 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include <cmath>
 #include <limits>
 #include <tuple>
 
-namespace {
+#include "vec.h"
 
-#if defined(__AVX512F__)
-extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc's libmvec: 16 expf at once
-#endif
+namespace {
 
 // (argmax, logsumexp) of one row. NaN logits are not supported (the engine never produces them).
 std::pair<int64_t, float> row_argmax_lse(const float* x, int64_t n) {
@@ -65,8 +62,9 @@ std::pair<int64_t, float> row_argmax_lse(const float* x, int64_t n) {
   for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + i), vmax)));
   sum = _mm512_reduce_add_ps(acc);
 #endif
-  for (; i < n; ++i) sum += std::exp(x[i] - best);
-  return {best_i, best + std::log(sum)};
+  double tail = 0.0;  // double: a scalar float sum over a whole vocabulary drifts by ~1e-6
+  for (; i < n; ++i) tail += std::exp(x[i] - best);
+  return {best_i, best + std::log(sum + static_cast<float>(tail))};
 }
 
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {

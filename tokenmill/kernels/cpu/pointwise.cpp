@@ -1,0 +1,184 @@
+// The per-layer elementwise work of a Llama block as single ops (CPU): RMSNorm, residual add +
+// RMSNorm, SiLU-and-mul, rotary embedding. Each replaces four to ten eager torch ops, whose
+// dispatch cost dominates at decode batch sizes.
+//
+// Every op rounds where the torch code it replaces rounds (to the tensor dtype after each torch
+// op, float32 inside the norm), so bf16 results equal the eager ones bit for bit, and float32
+// ones too: the build turns off FMA contraction (-ffp-contract=off) for that reason. The one
+// exception is the sum of squares in RMSNorm, accumulated in a different order.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "vec.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+using tokenmill_cpu::load16;
+using tokenmill_cpu::round_trip16;
+using tokenmill_cpu::store16;
+#endif
+
+template <typename T>
+inline T round_to(float x) {
+  return static_cast<T>(x);
+}
+
+// Grain: rows per task, so that a handful of decode rows stays on one thread.
+inline int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
+
+// out[r] = weight * to_dtype(x[r] * rsqrt(mean(x[r]^2) + eps)), as transformers' LlamaRMSNorm.
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_stride, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      float ss = 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      T* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i)
+        o[i] = round_to<T>(static_cast<float>(weight[i]) * static_cast<float>(round_to<T>(static_cast<float>(xr[i]) * inv)));
+    }
+  });
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, hidden] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "weight must be [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight must share a dtype");
+}
+
+template <typename F>
+void dispatch(at::ScalarType type, const char* name, F&& f) {
+  switch (type) {
+    case at::kFloat: f(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: f(static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kHalf: f(static_cast<c10::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, name, ": dtype must be float32, bfloat16 or float16");
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  auto out = at::empty(x.sizes(), x.options());
+  dispatch(x.scalar_type(), "rms_norm", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), weight.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1), eps);
+  });
+  return out;
+}
+
+// residual := to_dtype(residual + x); returns rms_norm(residual). One pass over both.
+at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "residual must be a contiguous tensor shaped and typed like x");
+  auto out = at::empty(x.sizes(), x.options());
+  dispatch(x.scalar_type(), "add_rms_norm", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+    T* res = residual.data_ptr<T>();
+    const T* xs = x.data_ptr<T>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t i = 0; i < n; ++i)
+          res[r * n + i] = round_to<T>(static_cast<float>(res[r * n + i]) + static_cast<float>(xs[r * stride + i]));
+    });
+    rms_norm_rows<T>(res, n, weight.data_ptr<T>(), out.data_ptr<T>(), rows, n, eps);
+  });
+  return out;
+}
+
+// [rows, 2I] (gate | up) -> [rows, I]: to_dtype(to_dtype(silu(gate)) * up), as F.silu(gate) * up.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [rows, 2 * intermediate] with contiguous rows");
+  const int64_t rows = x.size(0), n = x.size(1) / 2, stride = x.stride(0);
+  auto out = at::empty({rows, n}, x.options());
+  dispatch(x.scalar_type(), "silu_and_mul", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xs = x.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* gate = xs + r * stride;
+        const T* up = gate + n;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) {
+          const __m512 g = load16(gate + i);
+          const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
+          const __m512 act = round_trip16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), gate);
+          store16(o + r * n + i, _mm512_mul_ps(act, load16(up + i)));
+        }
+#endif
+        for (; i < n; ++i) {
+          const float g = static_cast<float>(gate[i]);
+          const T act = round_to<T>(g / (1.f + std::exp(-g)));
+          o[r * n + i] = round_to<T>(static_cast<float>(act) * static_cast<float>(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// In place, for each row t and head: x := x * cos[t] + rotate_half(x) * sin[t] (neox-style halves),
+// rounding after each product and after the sum as the eager ops do. x: [T, heads, D], any row
+// stride with contiguous heads; cos/sin: [T, D] in x's dtype.
+template <typename T>
+void rotary_rows(T* x, int64_t row_stride, int64_t heads, int64_t D, const T* cos, const T* sin, int64_t rows) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, rows, grain(heads * D), [&](int64_t begin, int64_t end) {
+    std::vector<float> a(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * D;
+      const T* s = sin + t * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + t * row_stride + h * D;
+        for (int64_t i = 0; i < D; ++i) a[i] = static_cast<float>(v[i]);
+        for (int64_t i = 0; i < D; ++i) {
+          const float rotated = i < half ? -a[i + half] : a[i - half];
+          const float p = static_cast<float>(round_to<T>(a[i] * static_cast<float>(c[i])));
+          const float q = static_cast<float>(round_to<T>(rotated * static_cast<float>(s[i])));
+          v[i] = round_to<T>(p + q);
+        }
+      }
+    }
+  });
+}
+
+void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  for (const auto* x : {&q, &k}) {
+    TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->stride(1) == x->size(2), "q/k must be [T, heads, D] with contiguous heads");
+    TORCH_CHECK(x->scalar_type() == cos.scalar_type() && x->size(0) == cos.size(0) && x->size(2) == cos.size(1),
+                "cos/sin must be [T, D] in q's dtype");
+  }
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && sin.sizes() == cos.sizes(), "cos and sin must be contiguous [T, D]");
+  TORCH_CHECK(q.size(2) % 2 == 0, "head_dim must be even");
+  dispatch(q.scalar_type(), "rotary", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (at::Tensor* x : {&q, &k})
+      rotary_rows<T>(x->data_ptr<T>(), x->stride(0), x->size(1), x->size(2), cos.data_ptr<T>(), sin.data_ptr<T>(), x->size(0));
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("rotary", c10::DispatchKey::CPU, &rotary);
+}
