@@ -160,12 +160,13 @@ def test_cpu_silu_and_mul_matches_torch(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cpu_rotary_matches_torch_exactly(dtype):
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: halves of whole 16-lane chunks; 16: the scalar loop
+def test_cpu_rotary_matches_torch_exactly(dtype, head_dim):
     """On strided q/k views of a fused qkv output, as the model passes them: bit-equal results."""
     from tokenmill.layers.rotary import apply_rotary, rotate_half
 
     torch.manual_seed(0)
-    tokens, heads, kv_heads, head_dim = 6, 4, 2, 16
+    tokens, heads, kv_heads = 6, 4, 2
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
     cos, sin = torch.randn(tokens, head_dim).to(dtype), torch.randn(tokens, head_dim).to(dtype)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)

@@ -91,6 +91,11 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.tokenmill_cpu.argmax_logsumexp(logits)
 
 
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Each new token's K/V [T, Hkv, D] into its slot of the head-major caches (see paged_attention.cpp)."""
+    torch.ops.tokenmill_cpu.write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm of each row of x ([rows, hidden], contiguous rows) in one op (see pointwise.cpp)."""
     return torch.ops.tokenmill_cpu.rms_norm(x, weight, eps)

@@ -81,6 +81,15 @@ class TorchPagedAttention:
         return out[:num_tokens]
 
     @staticmethod
+    def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs) -> None:
+        """The step's new K/V ([T, Hkv, D]) into their slots."""
+        # Row copies into the cache viewed as [Hkv * slots, D]: far cheaper than index_copy_ along dim 1.
+        head_dim = k_cache.shape[3]
+        rows = batch.slot_rows(k_cache.shape[0], k_cache.shape[1] * k_cache.shape[2])
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            cache.view(-1, head_dim).index_copy_(0, rows, new.transpose(0, 1).reshape(-1, head_dim).to(cache.dtype))
+
+    @staticmethod
     def decode(
         q: torch.Tensor,
         k_cache: torch.Tensor,
@@ -109,11 +118,19 @@ class TorchPagedAttention:
 
 class CpuPagedAttention(TorchPagedAttention):
     """CPU backend: decodes read K/V straight from the paged cache in tokenmill's C++ kernel
-    (tokenmill/kernels/cpu/paged_attention.cpp); prompt chunks as in the reference.
+    (tokenmill/kernels/cpu/paged_attention.cpp), and new K/V are written there as row copies;
+    prompt chunks as in the reference.
 
     The gather it avoids copied every decode's whole context per layer and step: a quarter of a
     batch-32 decode step at a 200-token context, and most of it at 1,000 tokens.
     """
+
+    @staticmethod
+    def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs) -> None:
+        if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+            TorchPagedAttention.write_kv(k_cache, v_cache, k, v, batch)
+            return
+        cpu_kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
 
     @staticmethod
     def decode(
@@ -180,9 +197,6 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        # Row copies into the cache viewed as [Hkv * slots, D]: far cheaper than index_copy_ along dim 1.
-        rows = batch.slot_rows(self.num_kv_heads, self.k_cache.shape[1] * self.k_cache.shape[2])
-        for cache, new in ((self.k_cache, k), (self.v_cache, v)):
-            cache.view(-1, self.head_dim).index_copy_(0, rows, new.transpose(0, 1).reshape(-1, self.head_dim).to(cache.dtype))
+        self.backend.write_kv(self.k_cache, self.v_cache, k, v, batch)
         out = self.backend.forward(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, self.workspace)
         return out.reshape(-1, self.num_heads * self.head_dim)

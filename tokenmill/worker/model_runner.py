@@ -11,6 +11,7 @@ from torch import nn
 from tokenmill.engine.scheduler import ScheduledChunk
 from tokenmill.layers.attention import Attention, GatherWorkspace, attention_backend
 from tokenmill.worker.batch import BatchInputs
+from tokenmill.worker.cpu_memory import advise_huge_pages, tune_malloc
 from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
 
 
@@ -23,6 +24,8 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.num_blocks = 0
+        if device.type == "cpu":
+            tune_malloc()
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty(0, dtype=self.dtype).element_size()
@@ -54,6 +57,7 @@ class ModelRunner:
         # cache costs no start-up time and RAM is only touched as blocks get used.
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32}[itemsize])
+        advise_huge_pages(raw)
         return torch.from_numpy(raw).view(self.dtype)
 
     @torch.inference_mode()

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -198,10 +199,43 @@ void paged_decode_attention(
   }
 }
 
+// k_cache[h, slot_mapping[t]] := k[t, h] and the same for V, for every new token t and KV head h.
+// index_copy_ into the flattened cache did this at a few hundred MB/s (1.7 ms per layer for a
+// 2,048-token chunk); these are plain row copies.
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous [Hkv, blocks, block_size, D]");
+  const int64_t Hkv = k_cache.size(0), slots = k_cache.size(1) * k_cache.size(2), D = k_cache.size(3);
+  for (const auto* x : {&k, &v}) {
+    TORCH_CHECK(x->dim() == 3 && x->size(1) == Hkv && x->size(2) == D && x->stride(2) == 1 && x->stride(1) == D,
+                "k/v must be [T, Hkv, D] with contiguous heads");
+    TORCH_CHECK(x->scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+                "k/v and the caches must share a dtype");
+  }
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) &&
+                  v.size(0) == k.size(0), "slot_mapping must be int64 [T]");
+  const auto slot = slot_mapping.contiguous();
+  const int64_t* slot_of = slot.data_ptr<int64_t>();
+  const int64_t T = k.size(0), elem = k.element_size(), row_bytes = D * elem;
+  char* caches[2] = {static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr())};
+  const char* news[2] = {static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr())};
+  const int64_t strides[2] = {k.stride(0) * elem, v.stride(0) * elem};
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      TORCH_CHECK(slot_of[t] >= 0 && slot_of[t] < slots, "write_kv: slot out of range");
+      for (int c = 0; c < 2; ++c)
+        for (int64_t h = 0; h < Hkv; ++h)
+          std::memcpy(caches[c] + (h * slots + slot_of[t]) * row_bytes, news[c] + t * strides[c] + h * row_bytes, row_bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor token_rows, "
         "Tensor block_table, Tensor positions, int window, float scale) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
 }

@@ -37,14 +37,29 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* weight, T* out, int64_
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
+      T* o = out + r * n;
       float ss = 0.f;
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 acc = _mm512_setzero_ps();
+      for (; i + 16 <= n; i += 16) {
+        const __m512 v = load16(xr + i);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+      }
+      ss = _mm512_reduce_add_ps(acc);
+#endif
+      for (; i < n; ++i) {
         const float v = static_cast<float>(xr[i]);
         ss += v * v;
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-      T* o = out + r * n;
-      for (int64_t i = 0; i < n; ++i)
+      i = 0;
+#if defined(__AVX512F__)
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (; i + 16 <= n; i += 16)
+        store16(o + i, _mm512_mul_ps(load16(weight + i), round_trip16(_mm512_mul_ps(load16(xr + i), vinv), xr)));
+#endif
+      for (; i < n; ++i)
         o[i] = round_to<T>(static_cast<float>(weight[i]) * static_cast<float>(round_to<T>(static_cast<float>(xr[i]) * inv)));
     }
   });
@@ -88,9 +103,14 @@ at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tens
     T* res = residual.data_ptr<T>();
     const T* xs = x.data_ptr<T>();
     at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        for (int64_t i = 0; i < n; ++i)
+      for (int64_t r = begin; r < end; ++r) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) store16(res + r * n + i, _mm512_add_ps(load16(res + r * n + i), load16(xs + r * stride + i)));
+#endif
+        for (; i < n; ++i)
           res[r * n + i] = round_to<T>(static_cast<float>(res[r * n + i]) + static_cast<float>(xs[r * stride + i]));
+      }
     });
     rms_norm_rows<T>(res, n, weight.data_ptr<T>(), out.data_ptr<T>(), rows, n, eps);
   });
@@ -143,6 +163,21 @@ void rotary_rows(T* x, int64_t row_stride, int64_t heads, int64_t D, const T* co
       const T* s = sin + t * D;
       for (int64_t h = 0; h < heads; ++h) {
         T* v = x + t * row_stride + h * D;
+#if defined(__AVX512F__)
+        if (half % 16 == 0) {  // whole 16-lane chunks swap halves: no shuffles
+          for (int64_t i = 0; i < half; i += 16) {
+            const __m512 lo = load16(v + i), hi = load16(v + half + i);
+            const __m512 neg_hi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
+            const __m512 p_lo = round_trip16(_mm512_mul_ps(lo, load16(c + i)), v);
+            const __m512 q_lo = round_trip16(_mm512_mul_ps(neg_hi, load16(s + i)), v);
+            const __m512 p_hi = round_trip16(_mm512_mul_ps(hi, load16(c + half + i)), v);
+            const __m512 q_hi = round_trip16(_mm512_mul_ps(lo, load16(s + half + i)), v);
+            store16(v + i, _mm512_add_ps(p_lo, q_lo));
+            store16(v + half + i, _mm512_add_ps(p_hi, q_hi));
+          }
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < D; ++i) a[i] = static_cast<float>(v[i]);
         for (int64_t i = 0; i < D; ++i) {
           const float rotated = i < half ? -a[i + half] : a[i - half];
