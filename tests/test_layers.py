@@ -48,15 +48,23 @@ BACKENDS = [
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("head_dim", [8, 64])  # 64: the kernel's 16-lane path; 8: its scalar loops
-def test_paged_attention_matches_reference(backend, dtype, tol, num_kv_heads, window, head_dim):
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        # (context already cached, new tokens this step): decodes, a first prompt chunk, later chunks.
+        [(7, 1), (12, 1), (0, 9), (5, 6), (1, 1), (16, 3)],
+        # prompt chunks that all start at 0 (SDPA's own causal mask), one of them padded
+        [(0, 9), (0, 7), (3, 1)],
+    ],
+    ids=["mixed", "from-start"],
+)
+def test_paged_attention_matches_reference(backend, dtype, tol, num_kv_heads, window, head_dim, shapes):
     torch.manual_seed(0)
     num_heads, num_blocks = 4, 40
     attn = Attention(num_heads, head_dim, num_kv_heads, head_dim**-0.5, sliding_window=window)
     attn.backend = backend
     attn.k_cache = torch.zeros(num_kv_heads, num_blocks, BLOCK, head_dim, dtype=dtype)
     attn.v_cache = torch.zeros_like(attn.k_cache)
-    # (context already cached, new tokens this step): decodes, a first prompt chunk, a later chunk.
-    shapes = [(7, 1), (12, 1), (0, 9), (5, 6), (1, 1), (16, 3)]
     blocks = iter(torch.randperm(num_blocks - 1) + 1)  # block 0 is the null block
     history, chunks = [], []
     for i, (cached, new) in enumerate(shapes):

@@ -29,6 +29,7 @@ class AttentionGroup:
     token_index: torch.Tensor  # [b, max_q] rows of the step's tokens; padding points at a scratch row
     block_table: torch.Tensor  # [b, num_blocks] the blocks holding each request's context
     query_pos: torch.Tensor  # [b, max_q] position of each query token
+    from_start: bool = False  # every request's chunk starts at position 0 (a whole or first prompt chunk)
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _kv_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -178,4 +179,5 @@ def _make_group(
         token_index=torch.from_numpy(token_index).to(device),
         block_table=torch.from_numpy(np.ascontiguousarray(block_tables[rows, :num_blocks])).to(device),
         query_pos=torch.from_numpy(query_pos).to(device),
+        from_start=bool((starts[rows] == 0).all()),
     )
