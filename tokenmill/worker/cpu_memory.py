@@ -7,8 +7,9 @@ glibc's mmap threshold was mapped, faulted in and unmapped again on every layer.
 - tune_malloc: serve allocations up to 32 MB (glibc's maximum threshold) from the heap and never
   trim it, so freed activation buffers are reused warm (vLLM's CPU backend asks for tcmalloc for the
   same reason; this needs no preload).
-- advise_huge_pages: the KV cache in 2 MB transparent huge pages (where THP is in "madvise" mode),
-  so its first touch faults once per 2 MB instead of once per 4 KB.
+- zeros_huge_page_aligned: the KV cache starts on a 2 MB boundary (calloc's 16-byte offset made
+  every 128-byte K/V row straddle three cache lines) and lies in transparent huge pages (where THP
+  is in "madvise" mode), so its first touch faults once per 2 MB instead of once per 4 KB.
 
 Both are best effort: elsewhere they do nothing.
 """
@@ -20,6 +21,7 @@ import ctypes.util
 import logging
 
 import numpy as np
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -59,3 +61,15 @@ def advise_huge_pages(array: np.ndarray) -> None:
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     if libc.madvise(aligned, length, _MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
+
+
+def zeros_huge_page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
+    """A lazily zeroed buffer (calloc: pages are touched only when used) for a torch dtype, starting
+    on a 2 MB boundary and advised into huge pages; viewed as that dtype by torch.from_numpy(...).view."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    nbytes = int(np.prod(shape)) * itemsize
+    raw = np.zeros(nbytes + _HUGE_PAGE, dtype=np.uint8)
+    offset = -raw.ctypes.data % _HUGE_PAGE
+    buf = raw[offset : offset + nbytes]
+    advise_huge_pages(buf)
+    return buf.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize]).reshape(shape)

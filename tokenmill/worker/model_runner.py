@@ -11,7 +11,7 @@ from torch import nn
 from tokenmill.engine.scheduler import ScheduledChunk
 from tokenmill.layers.attention import Attention, GatherWorkspace, attention_backend
 from tokenmill.worker.batch import BatchInputs
-from tokenmill.worker.cpu_memory import advise_huge_pages, tune_malloc
+from tokenmill.worker.cpu_memory import tune_malloc, zeros_huge_page_aligned
 from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
 
 
@@ -55,10 +55,7 @@ class ModelRunner:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         # numpy's zeros comes from calloc: the OS hands out zero pages lazily, so a large
         # cache costs no start-up time and RAM is only touched as blocks get used.
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32}[itemsize])
-        advise_huge_pages(raw)
-        return torch.from_numpy(raw).view(self.dtype)
+        return torch.from_numpy(zeros_huge_page_aligned(shape, self.dtype)).view(self.dtype)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

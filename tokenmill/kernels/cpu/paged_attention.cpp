@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -220,13 +221,33 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
   char* caches[2] = {static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr())};
   const char* news[2] = {static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr())};
   const int64_t strides[2] = {k.stride(0) * elem, v.stride(0) * elem};
+  // Rows that are whole, aligned cache lines go out as streaming stores: a decode step writes one
+  // row per request and head into lines nobody has in cache, and a normal store would read each
+  // line from memory first.
+  bool stream = false;
+#if defined(__AVX512F__)
+  stream = row_bytes % 64 == 0 && reinterpret_cast<uintptr_t>(caches[0]) % 64 == 0 && reinterpret_cast<uintptr_t>(caches[1]) % 64 == 0;
+#endif
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       TORCH_CHECK(slot_of[t] >= 0 && slot_of[t] < slots, "write_kv: slot out of range");
       for (int c = 0; c < 2; ++c)
-        for (int64_t h = 0; h < Hkv; ++h)
-          std::memcpy(caches[c] + (h * slots + slot_of[t]) * row_bytes, news[c] + t * strides[c] + h * row_bytes, row_bytes);
+        for (int64_t h = 0; h < Hkv; ++h) {
+          char* dst = caches[c] + (h * slots + slot_of[t]) * row_bytes;
+          const char* src = news[c] + t * strides[c] + h * row_bytes;
+#if defined(__AVX512F__)
+          if (stream) {
+            for (int64_t off = 0; off < row_bytes; off += 64)
+              _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + off), _mm512_loadu_si512(src + off));
+            continue;
+          }
+#endif
+          std::memcpy(dst, src, row_bytes);
+        }
     }
+#if defined(__AVX512F__)
+    if (stream) _mm_sfence();  // the streamed rows are visible before attention reads them
+#endif
   });
 }
 
