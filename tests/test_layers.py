@@ -112,7 +112,9 @@ def test_auto_dtype_on_cpu_follows_native_bf16():
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="CPU kernels did not build")
 @pytest.mark.parametrize("vocab", [1, 7, 16, 33, 1000, 49152])
-def test_cpu_argmax_logsumexp_matches_torch(vocab):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_argmax_logsumexp_matches_torch(vocab, dtype):
+    """Half-precision logits give exactly what their float32 widening gives."""
     from tokenmill.kernels.cpu import argmax_logsumexp
 
     torch.manual_seed(vocab)
@@ -121,9 +123,11 @@ def test_cpu_argmax_logsumexp_matches_torch(vocab):
     logits[2] = float("-inf")  # a fully masked row (grammar): index 0, logsumexp -inf
     logits[3, -1] = logits[3].max() + 2  # the maximum in the scalar tail
     logits[4, vocab // 2 :] = float("-inf")
-    ids, lse = argmax_logsumexp(logits)
+    logits = logits.to(dtype).float()  # values the dtype holds exactly
+    ids, lse = argmax_logsumexp(logits.to(dtype))
     assert torch.equal(ids, logits.argmax(dim=-1))
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1))
+    assert torch.equal(lse, argmax_logsumexp(logits)[1])
 
 
 # -- the fused pointwise CPU ops against the eager torch code they replace --------------------------

@@ -135,6 +135,13 @@ class SamplingMetadata:
     def use_penalties(self) -> bool:
         return self.presence_penalty is not None
 
+    @property
+    def changes_logits(self) -> bool:
+        """Whether any row has a mask, bias or penalty (apply_logits_processors would change the logits)."""
+        return (
+            self.allowed_restricted_rows is not None or self.banned_rows is not None or self.bias_rows is not None or self.use_penalties
+        )
+
     @classmethod
     def from_chunks(cls, chunks: list[ScheduledChunk], device: torch.device) -> "SamplingMetadata":
         params = [c.sampling_params for c in chunks]
@@ -325,10 +332,12 @@ class LogprobsTensors:
 
 
 def argmax_and_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's argmax and logsumexp ([N, V] float32 -> [N], [N]): one pass in tokenmill's CPU kernel
-    where it is built (torch's CPU argmax alone is ten times slower than a max), torch ops elsewhere."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.cpu_kernels_available():
+    """Each row's argmax and float32 logsumexp ([N, V] -> [N], [N]): one pass in tokenmill's CPU kernel
+    where it is built (torch's CPU argmax alone is ten times slower than a max), torch ops elsewhere.
+    Widening bf16/fp16 to float32 is exact, so either input dtype gives the same numbers."""
+    if logits.device.type == "cpu" and cpu_kernels.cpu_kernels_available():
         return cpu_kernels.argmax_logsumexp(logits)
+    logits = logits.float()
     return logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
 
 
@@ -376,6 +385,12 @@ class Sampler(nn.Module):
         """Sample a token per row; with the raw logprob of each sampled token (and ranks / top-k when asked)."""
         # The grammar mask comes first and counts as part of the model's distribution, as in vLLM
         # (whose runner masks the logits before its sampler sees them).
+        if meta.all_greedy and meta.grammar_bitmask is None and meta.max_num_logprobs is None and not meta.changes_logits:
+            # Plain greedy: straight from the model's logits, without a float32 copy of [B, vocab]
+            # (5 ms a step at batch 200); the numbers are the same, widening being exact.
+            greedy, lse = argmax_and_logsumexp(logits)
+            chosen = logits.gather(1, greedy[:, None])[:, 0].float()
+            return SamplerOutput(token_ids=greedy, logprobs=LogprobsTensors(token_logprobs=chosen - lse))
         raw = apply_grammar_bitmask(logits.float(), meta.grammar_bitmask)
         processed = apply_logits_processors(raw, meta)
         greedy, lse = argmax_and_logsumexp(raw)
