@@ -40,6 +40,8 @@ tokenmill.bench.datasets with seed 0, special tokens avoided; greedy; EOS ignore
   C         64 requests sharing a 1,024-token prefix, 32-token unique suffixes, 32 output tokens
   C-nocache C with prefix caching turned off (tokenmill --no-prefix-caching, vLLM
             enable_prefix_caching=False, llama.cpp cache_prompt=false); HF has no prefix cache
+  single    servers only: 8 requests of 128 in / 128 out, one at a time (single-request decode)
+  rate4     servers only: 100 requests of 128 in / 128 out, Poisson arrivals at 4 requests/s
 
 Results go to WORK/results/<engine>-<model>-<workload>.json (the JSON of `tokenmill bench`, or
 the same keys), logs to WORK/logs/. A step that fails is logged and the others go on. WORK is
@@ -77,6 +79,13 @@ WORKLOADS = {
     "C": ["--dataset", "prefix", "--num-prompts", "64", "--prefix-len", "1024", "--suffix-len", "32", "--output-len", "32"],
 }
 WORKLOADS["C-nocache"] = WORKLOADS["C"]
+# Serving only (the server steps run them; the offline ones skip them): one request at a time
+# (single-request decode speed), and Poisson arrivals at 4 requests/s (TTFT and TPOT under load).
+SERVE_ONLY = {
+    "single": ["--dataset", "random", "--num-prompts", "8", "--input-len", "128", "--output-len", "128", "--max-concurrency", "1"],
+    "rate4": ["--dataset", "random", "--num-prompts", "100", "--input-len", "128", "--output-len", "128", "--request-rate", "4"],
+}
+WORKLOADS.update(SERVE_ONLY)
 MODELS = ("tiny100m", "smollm2")
 MAX_MODEL_LEN = 2048  # every workload fits (B: 1024 at most, C: 1088)
 HF_BATCH_SIZE = 32
@@ -226,7 +235,7 @@ def workload_requests(ctx: Ctx, model: str, workload: str):
 # -- offline engines ---------------------------------------------------------------------
 def step_tokenmill(ctx: Ctx) -> None:
     for model in ctx.args.models:
-        for w in ctx.args.workloads:
+        for w in offline_workloads(ctx):
             extra = ["--no-prefix-caching"] if w == "C-nocache" else []
             run(
                 [ctx.python, "-m", "tokenmill.entrypoints.cli", "bench", "throughput", "--model", ctx.model_dir(model),
@@ -238,7 +247,7 @@ def step_tokenmill(ctx: Ctx) -> None:
 
 def step_hf(ctx: Ctx) -> None:
     for model in ctx.args.models:
-        for w in ctx.args.workloads:
+        for w in offline_workloads(ctx):
             if w == "C-nocache":
                 continue  # HF has no prefix cache: the same run as C
             run([ctx.python, os.path.abspath(__file__), "_hf-run", "--work-dir", ctx.work, "--dtype", ctx.args.dtype, "--model-name", model,
@@ -318,7 +327,7 @@ def step_vllm(ctx: Ctx) -> None:
     script = ctx.work / "vllm_offline.py"
     script.write_text(VLLM_SCRIPT)
     for model in ctx.args.models:
-        for w in ctx.args.workloads:
+        for w in offline_workloads(ctx):
             requests, warmup = workload_requests(ctx, model, w)
             spec_path = ctx.work / f"vllm-spec-{model}-{w}.json"
             spec = {
@@ -448,6 +457,10 @@ def serve_and_bench(ctx: Ctx, engine: str, model: str, workloads: list[str], sta
         _stop(proc)
 
 
+def offline_workloads(ctx: Ctx) -> list[str]:
+    return [w for w in ctx.args.workloads if w not in SERVE_ONLY]
+
+
 def _split_cache(workloads: list[str]) -> list[tuple[bool, list[str]]]:
     cached = [w for w in workloads if w != "C-nocache"]
     return [(True, cached), (False, ["C-nocache"] if "C-nocache" in workloads else [])]
@@ -519,7 +532,8 @@ def _figures(engine: str, data: dict) -> dict:
         return {"output_tok_s": m["output_tokens_per_second"], "req_s": m["requests_per_second"],
                 "mean_ttft_ms": m.get("mean_ttft_ms"), "elapsed_s": m["elapsed_time"]}
     return {"output_tok_s": data["output_throughput"], "req_s": data["request_throughput"],
-            "mean_ttft_ms": data["mean_ttft_ms"], "elapsed_s": data["duration"], "failed": data["failed"]}
+            "mean_ttft_ms": data["mean_ttft_ms"], "elapsed_s": data["duration"], "failed": data["failed"],
+            "median_ttft_ms": data["median_ttft_ms"], "median_tpot_ms": data["median_tpot_ms"]}
 
 
 def step_table(ctx: Ctx) -> None:
@@ -540,7 +554,8 @@ def step_table(ctx: Ctx) -> None:
     if not rows:
         log(f"no results under {ctx.results} yet")
         return
-    header = f"{'engine':<16}{'mode':<9}{'model':<10}{'workload':<11}{'out tok/s':>11}{'req/s':>9}{'TTFT ms':>10}{'vs tokenmill':>14}"
+    header = (f"{'engine':<16}{'mode':<9}{'model':<10}{'workload':<11}{'out tok/s':>11}{'req/s':>9}{'TTFT ms':>10}"
+              f"{'p50 TTFT':>10}{'p50 TPOT':>10}{'vs tokenmill':>14}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -548,9 +563,11 @@ def step_table(ctx: Ctx) -> None:
         ratio = f"{r['ratio_to_tokenmill']:.2f}x" if r["ratio_to_tokenmill"] is not None else "-"
         if r["ratio_against"] == "tokenmill" and r["mode"] == "serve":
             ratio += "*"
+        p50 = [f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in ("median_ttft_ms", "median_tpot_ms")]
         print(f"{r['engine']:<16}{r['mode']:<9}{r['model']:<10}{r['workload']:<11}{r['output_tok_s']:>11.1f}"
-              f"{r['req_s']:>9.2f}{ttft:>10}{ratio:>14}")
-    print("vs tokenmill: output tokens/s over tokenmill's in the same mode (* against tokenmill offline: its server was not measured)")
+              f"{r['req_s']:>9.2f}{ttft:>10}{p50[0]:>10}{p50[1]:>10}{ratio:>14}")
+    print("vs tokenmill: output tokens/s over tokenmill's in the same mode (* against tokenmill offline: its server was not measured);"
+          " p50 TTFT / TPOT (ms): served runs only")
     summary = ctx.results / "summary.json"
     summary.write_text(json.dumps({"dtype": ctx.args.dtype, "cpus": ctx.ncpu, "rows": rows}, indent=2))
     log(f"wrote {summary}")
@@ -576,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="See the module docstring for the steps and workloads.")
     parser.add_argument("mode", nargs="?", default="run", choices=["run", "_hf-run"], help=argparse.SUPPRESS)
     parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from: {', '.join(STEPS)} (default: all)")
-    parser.add_argument("--workloads", default="A,B,C,C-nocache", help="comma-separated, from: A, B, C, C-nocache")
+    parser.add_argument("--workloads", default="A,B,C,C-nocache,single,rate4",
+                        help="comma-separated, from: A, B, C, C-nocache, single, rate4 (the last two: servers only)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: tiny100m, smollm2")
     parser.add_argument("--work-dir", default="~/.cache/tokenmill-peers", help="venvs, builds, models, results, logs")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="every engine's dtype (default bfloat16, as the issue measures)")

@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -132,9 +133,13 @@ void decode_kernel(
     scalar_t* out,                // [T, Hkv * G, D]
     int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, int64_t MB,
     int64_t window, float scale) {
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // Tasks are handed out one at a time from a shared counter: contexts differ in length, and
+  // parallel_for's static halves left one thread idle while the other finished the long ones.
+  std::atomic<int64_t> next_task{0};
+  const int64_t num_tasks = B * Hkv;
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(G * D), acc(G * D), scores;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t len = positions[b] + 1;
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
