@@ -48,6 +48,12 @@ def cpu_kernels_available() -> bool:
         digest.update(source.read_bytes())
     digest.update(" ".join(_CFLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode())
     name = f"tokenmill_cpu_{digest.hexdigest()[:16]}"
+    try:  # a private helper of torch's: only used to say why the first start pauses
+        cached = Path(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so").exists()
+    except Exception:
+        cached = True
+    if not cached:  # a warning, as the CLI shows no info by default
+        logger.warning("building tokenmill's CPU kernels for this machine (once; about half a minute)")
     try:
         cpp_extension.load(
             name=name,

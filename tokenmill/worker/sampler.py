@@ -335,7 +335,7 @@ def argmax_and_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """Each row's argmax and float32 logsumexp ([N, V] -> [N], [N]): one pass in tokenmill's CPU kernel
     where it is built (torch's CPU argmax alone is ten times slower than a max), torch ops elsewhere.
     Widening bf16/fp16 to float32 is exact, so either input dtype gives the same numbers."""
-    if logits.device.type == "cpu" and cpu_kernels.cpu_kernels_available():
+    if cpu_kernels.use_cpu_kernels(logits):
         return cpu_kernels.argmax_logsumexp(logits)
     logits = logits.float()
     return logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
@@ -344,9 +344,9 @@ def argmax_and_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def row_logsumexp(logits: torch.Tensor) -> torch.Tensor:
     """Each row's logsumexp, computed as argmax_and_logsumexp does, so a logprob is the same number
     whichever path computed it."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.cpu_kernels_available():
+    if cpu_kernels.use_cpu_kernels(logits):
         return cpu_kernels.argmax_logsumexp(logits)[1]
-    return torch.logsumexp(logits, dim=-1)
+    return torch.logsumexp(logits.float(), dim=-1)
 
 
 def compute_logprobs(

@@ -122,6 +122,66 @@ inline void for_each_row(int64_t first, int64_t len, int64_t BS, const int64_t* 
   }
 }
 
+#if defined(__AVX512F__)
+// The two passes with G and D known at compile time, so that the query heads' vectors (QK) and the
+// accumulators (PV) stay in registers: the generic loops kept them in memory, a load and a store
+// around every FMA.
+template <typename scalar_t, int G, int NC>
+void qk_fixed(const float* qf, const scalar_t* k_head, const int64_t* blocks, int64_t first, int64_t len, int64_t BS,
+              float* scores, int64_t n) {
+  constexpr int D = 16 * NC;
+  __m512 qv[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * D + 16 * c);
+  for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
+    const scalar_t* k = k_head + row * D;
+    __m512 kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = load16(k + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
+      scores[g * n + (t - first)] = _mm512_reduce_add_ps(s);
+    }
+  });
+}
+
+template <typename scalar_t, int G, int NC>
+void pv_fixed(const float* scores, int64_t n, const scalar_t* v_head, const int64_t* blocks, int64_t first, int64_t len,
+              int64_t BS, float* out) {
+  constexpr int D = 16 * NC;
+  __m512 acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
+    const scalar_t* v = v_head + row * D;
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = load16(v + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * n + (t - first)]);
+      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+    }
+  });
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + g * D + 16 * c, acc[g][c]);
+}
+
+template <typename scalar_t>
+using QkFn = void (*)(const float*, const scalar_t*, const int64_t*, int64_t, int64_t, int64_t, float*, int64_t);
+template <typename scalar_t>
+using PvFn = void (*)(const float*, int64_t, const scalar_t*, const int64_t*, int64_t, int64_t, int64_t, float*);
+
+// The fixed-size passes for G query heads per KV head (1 to 8) and NC 16-lane chunks per head.
+template <typename scalar_t, int NC, int G = 1>
+void pick_fixed(int64_t g, QkFn<scalar_t>& qk, PvFn<scalar_t>& pv) {
+  if (g == G) {
+    qk = &qk_fixed<scalar_t, G, NC>;
+    pv = &pv_fixed<scalar_t, G, NC>;
+  } else if constexpr (G < 8) {
+    pick_fixed<scalar_t, NC, G + 1>(g, qk, pv);
+  }
+}
+#endif
+
 template <typename scalar_t>
 void decode_kernel(
     const scalar_t* q,            // [T, Hkv * G, D]
@@ -137,6 +197,12 @@ void decode_kernel(
   // parallel_for's static halves left one thread idle while the other finished the long ones.
   std::atomic<int64_t> next_task{0};
   const int64_t num_tasks = B * Hkv;
+#if defined(__AVX512F__)
+  QkFn<scalar_t> qk = nullptr;
+  PvFn<scalar_t> pv = nullptr;
+  if (D == 64) pick_fixed<scalar_t, 4>(G, qk, pv);
+  if (D == 128) pick_fixed<scalar_t, 8>(G, qk, pv);
+#endif
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(G * D), acc(G * D), scores;
     for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
@@ -151,20 +217,32 @@ void decode_kernel(
       const scalar_t* v_head = v_cache + h * NB * BS * D;
       const int64_t* blocks = block_table + b * MB;
 
-      for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
-        const scalar_t* k = k_head + row * D;
-        dot_heads(qf.data(), k, G, D, scores.data() + (t - first), n);
-      });
+#if defined(__AVX512F__)
+      if (qk != nullptr) {
+        qk(qf.data(), k_head, blocks, first, len, BS, scores.data(), n);
+      } else
+#endif
+      {
+        for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
+          dot_heads(qf.data(), k_head + row * D, G, D, scores.data() + (t - first), n);
+        });
+      }
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
         const float inv = 1.f / exp_sum(sg, n, row_max(sg, n));
         for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
-        const scalar_t* v = v_head + row * D;
-        axpy_heads(acc.data(), scores.data() + (t - first), n, v, G, D);
-      });
+#if defined(__AVX512F__)
+      if (pv != nullptr) {
+        pv(scores.data(), n, v_head, blocks, first, len, BS, acc.data());
+      } else
+#endif
+      {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
+          axpy_heads(acc.data(), scores.data() + (t - first), n, v_head + row * D, G, D);
+        });
+      }
       scalar_t* orow = out + (token_rows[b] * Hkv + h) * G * D;
       for (int64_t i = 0; i < G * D; ++i) orow[i] = static_cast<scalar_t>(acc[i]);
     }
