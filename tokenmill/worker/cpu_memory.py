@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 import numpy as np
@@ -30,6 +31,7 @@ _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 
 
+@functools.cache  # find_library runs ldconfig: once per process, not once per KV tensor
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:

@@ -268,19 +268,13 @@ void paged_decode_attention(
   const int64_t Hkv = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "head sizes of q and the caches disagree");
   TORCH_CHECK(table.dim() == 2 && table.size(0) == B && pos.size(0) == B, "block_table / positions must have a row per request");
-  const auto run = [&](auto* type_tag) {
+  tokenmill_cpu::dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto* type_tag) {
     using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
     decode_kernel<scalar_t>(
         q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), rows.data_ptr<int64_t>(),
         table.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hkv, H / Hkv, D, NB, BS,
         table.size(1), window, static_cast<float>(scale));
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat: run(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: dtype must be float32, bfloat16 or float16");
-  }
+  });
 }
 
 // k_cache[h, slot_mapping[t]] := k[t, h] and the same for V, for every new token t and KV head h.

@@ -17,6 +17,8 @@
 
 namespace {
 
+using tokenmill_cpu::dispatch_float_types;
+
 #if defined(__AVX512F__)
 using tokenmill_cpu::load16;
 using tokenmill_cpu::round_trip16;
@@ -71,20 +73,10 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight must share a dtype");
 }
 
-template <typename F>
-void dispatch(at::ScalarType type, const char* name, F&& f) {
-  switch (type) {
-    case at::kFloat: f(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: f(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: f(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, name, ": dtype must be float32, bfloat16 or float16");
-  }
-}
-
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm_args(x, weight);
   auto out = at::empty(x.sizes(), x.options());
-  dispatch(x.scalar_type(), "rms_norm", [&](auto* tag) {
+  dispatch_float_types(x.scalar_type(), "rms_norm", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), weight.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1), eps);
   });
@@ -97,7 +89,7 @@ at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tens
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
               "residual must be a contiguous tensor shaped and typed like x");
   auto out = at::empty(x.sizes(), x.options());
-  dispatch(x.scalar_type(), "add_rms_norm", [&](auto* tag) {
+  dispatch_float_types(x.scalar_type(), "add_rms_norm", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
     T* res = residual.data_ptr<T>();
@@ -122,7 +114,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [rows, 2 * intermediate] with contiguous rows");
   const int64_t rows = x.size(0), n = x.size(1) / 2, stride = x.stride(0);
   auto out = at::empty({rows, n}, x.options());
-  dispatch(x.scalar_type(), "silu_and_mul", [&](auto* tag) {
+  dispatch_float_types(x.scalar_type(), "silu_and_mul", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xs = x.data_ptr<T>();
     T* o = out.data_ptr<T>();
@@ -198,7 +190,7 @@ void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor&
   }
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && sin.sizes() == cos.sizes(), "cos and sin must be contiguous [T, D]");
   TORCH_CHECK(q.size(2) % 2 == 0, "head_dim must be even");
-  dispatch(q.scalar_type(), "rotary", [&](auto* tag) {
+  dispatch_float_types(q.scalar_type(), "rotary", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     for (at::Tensor* x : {&q, &k})
       rotary_rows<T>(x->data_ptr<T>(), x->stride(0), x->size(1), x->size(2), cos.data_ptr<T>(), sin.data_ptr<T>(), x->size(0));

@@ -83,19 +83,13 @@ std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {
   auto lse = at::empty({rows}, x.options().dtype(at::kFloat));
   int64_t* ids_out = ids.data_ptr<int64_t>();
   float* lse_out = lse.data_ptr<float>();
-  const auto run = [&](auto* tag) {
+  tokenmill_cpu::dispatch_float_types(x.scalar_type(), "argmax_logsumexp", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* data = x.data_ptr<T>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) std::tie(ids_out[r], lse_out[r]) = row_argmax_lse(data + r * n, n);
     });
-  };
-  switch (x.scalar_type()) {
-    case at::kFloat: run(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "argmax_logsumexp: logits must be float32, bfloat16 or float16");
-  }
+  });
   return {ids, lse};
 }
 

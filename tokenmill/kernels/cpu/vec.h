@@ -1,6 +1,6 @@
-// The few AVX-512 primitives tokenmill's CPU kernels share: 16 lanes of float32, loaded from and
-// stored to float32, bf16 or fp16 memory, and libmvec's vector expf. Kernels keep a scalar loop
-// for machines without AVX-512 (and for row tails).
+// What tokenmill's CPU kernels share: the dtype dispatch, and the few AVX-512 primitives (16 lanes
+// of float32, loaded from and stored to float32, bf16 or fp16 memory, and libmvec's vector expf).
+// Kernels keep a scalar loop for machines without AVX-512 (and for row tails).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +9,18 @@
 #include <cstdint>
 
 namespace tokenmill_cpu {
+
+// f(static_cast<T*>(nullptr)) for the element type T of a float32, bf16 or fp16 tensor; any other
+// dtype is an error naming the op.
+template <typename F>
+void dispatch_float_types(at::ScalarType type, const char* op, F&& f) {
+  switch (type) {
+    case at::kFloat: f(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: f(static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kHalf: f(static_cast<c10::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, op, ": dtype must be float32, bfloat16 or float16");
+  }
+}
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
