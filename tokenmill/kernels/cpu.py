@@ -1,18 +1,38 @@
-"""tokenmill's CPU kernels, compiled on first use with torch.utils.cpp_extension.
+"""tokenmill's CPU kernels: compiled once per machine with torch.utils.cpp_extension, then loaded directly.
 
-The build is for this machine's instruction set (-march=native), so the build directory's name
-carries a hash of the sources and the CPU's flags: a cache shared between machines never loads a
-binary built for another CPU. The first build takes about half a minute; later processes load it
-from torch's extension cache. Without a C++ compiler, or with TOKENMILL_CPU_KERNELS=0, the
-engine runs the plain PyTorch paths instead.
+The build is for this machine's instruction set (-march=native), so the kernels' name carries a hash
+of the sources, the flags, the CPU's flags and torch's version: a cache shared between machines never
+loads a binary built for another CPU. Each hash has one directory of its own,
+`<TORCH_EXTENSIONS_DIR, or ~/.cache/torch_extensions>/tokenmill/<name>/`:
+
+    build.lock   our build lock, held with fcntl.flock: the kernel drops it when its holder dies
+    build/       torch's build directory (ninja file, objects, torch's own `lock` file)
+    <name>.so    the finished library, published by an atomic rename once the build is done
+
+A start loads `<name>.so` straight with torch.ops.load_library when it exists (no cpp_extension,
+no ninja). Otherwise it takes build.lock, builds, and publishes. torch's own lock is a file whose
+mere existence is the lock, so a build killed mid-way leaves it behind and every later build waits
+on it forever; as every tokenmill build goes through build.lock first, a torch `lock` found while
+holding build.lock is stale and is removed (and a killed start's ninja and compilers, which
+outlive it, are waited for before a second ninja runs there). A start that finds build.lock held
+by another process waits at most TOKENMILL_KERNEL_BUILD_TIMEOUT seconds (300 by default), then
+runs the plain PyTorch paths. Without a C++ compiler, or with TOKENMILL_CPU_KERNELS=0, the engine
+runs the PyTorch paths too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +44,28 @@ _SOURCES = [_DIR / name for name in ("paged_attention.cpp", "sampling.cpp", "poi
 _HEADERS = [_DIR / "vec.h"]
 # -ffp-contract=off: no fused multiply-adds the source does not write, so the pointwise ops round as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+_LDFLAGS = ["-lmvec"]
+
+BUILD_TIMEOUT_ENV = "TOKENMILL_KERNEL_BUILD_TIMEOUT"
+_DEFAULT_BUILD_TIMEOUT_S = 300.0
+_LOCK_POLL_S = 0.1
+# Serializes loading within one process: two threads loading two copies of the library (the build
+# directory's and the published one) would register the tokenmill_cpu ops twice, which torch refuses.
+_LOAD_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class KernelLoad:
+    """What loading the CPU kernels came to in this process."""
+
+    path: Path | None  # the published library; None when the kernels are not available
+    compiled: bool = False  # this process built them, rather than loading a finished build
+    seconds: float = 0.0  # spent building or loading, waiting for another process's build included
+    error: str | None = None  # why they are not available
+
+    @property
+    def available(self) -> bool:
+        return self.path is not None
 
 
 def _cpu_flags() -> str:
@@ -36,40 +78,217 @@ def _cpu_flags() -> str:
     return ""
 
 
-@functools.cache
-def cpu_kernels_available() -> bool:
-    """Build (or load the cached build of) the CPU kernels once per process; True when their ops are registered."""
-    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
-        return False
-    from torch.utils import cpp_extension
-
+def kernel_name() -> str:
+    """The kernels' name: a hash of everything that makes a build differ, so a stale one is never loaded."""
     digest = hashlib.sha256()
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
-    digest.update(" ".join(_CFLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode())
-    name = f"tokenmill_cpu_{digest.hexdigest()[:16]}"
-    try:  # a private helper of torch's: only used to say why the first start pauses
-        cached = Path(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so").exists()
-    except Exception:
-        cached = True
-    if not cached:  # a warning, as the CLI shows no info by default
-        logger.warning("building tokenmill's CPU kernels for this machine (once; about half a minute)")
+    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode())
+    return f"tokenmill_cpu_{digest.hexdigest()[:16]}"
+
+
+def kernel_dir(name: str | None = None) -> Path:
+    """The directory of one build: lock, torch's build directory, published library.
+
+    Under torch's extension root (TORCH_EXTENSIONS_DIR, or ~/.cache/torch_extensions), computed here
+    rather than asked of torch, so a warm start need not import cpp_extension."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions"
+    )
+    return Path(root) / "tokenmill" / (name or kernel_name())
+
+
+def _build_timeout() -> float:
+    raw = os.environ.get(BUILD_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return _DEFAULT_BUILD_TIMEOUT_S
     try:
-        cpp_extension.load(
-            name=name,
-            sources=[str(s) for s in _SOURCES],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-lmvec"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths still work
-        lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        reason = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0])
-        logger.warning("tokenmill's CPU kernels could not be built; using the PyTorch paths (%s)", reason[:300])
-        logger.debug("CPU kernel build failure", exc_info=True)
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # also false for nan
+        logger.warning("%s=%r is not a number of seconds >= 0; waiting up to %.0f s", BUILD_TIMEOUT_ENV, raw, _DEFAULT_BUILD_TIMEOUT_S)
+        return _DEFAULT_BUILD_TIMEOUT_S
+    return value
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path, deadline: float) -> Iterator[bool]:
+    """Hold an exclusive flock on path; yields False when another process still held it at `deadline` (time.monotonic).
+
+    The lock file is never deleted: a waiter may hold an fd of it, and a new file would let two
+    processes hold "the" lock at once. Its existence means nothing; only the flock does."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        if not _try_flock(fd):
+            logger.warning("waiting for another process to finish building tokenmill's CPU kernels (lock held at %s)", path)
+            while not _try_flock(fd):
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(_LOCK_POLL_S)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _publish(built: Path, published: Path) -> None:
+    """Copy the finished library to its final name through a temporary one and os.replace, so a
+    start sees the whole file or none (a copy, not a move, so ninja finds its output up to date)."""
+    tmp = published.with_name(f".{published.name}.{os.getpid()}.tmp")
+    try:
+        with open(built, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+            dst.flush()
+            os.fsync(dst.fileno())
+        shutil.copymode(built, tmp)
+        os.replace(tmp, published)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable, where the filesystem allows
+        dir_fd = os.open(published.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+# What a torch build runs, as /proc/<pid>/comm names them (cut at 15 characters): other processes
+# that happen to sit in the build directory (a shell cd'ed there) are not waited for.
+_BUILD_TOOLS = frozenset({"ninja", "c++", "g++", "gcc", "cc", "cc1plus", "cc1", "as", "collect2", "ld", "lto1", "lto-wrapper", "clang", "clang++"})
+
+
+def _leftover_builders(build_dir: Path) -> list[int]:
+    """Build tools still running in build_dir although we hold build.lock: a killed start's ninja
+    and compilers outlive it, and a second ninja run beside them could link half-written objects."""
+    target = os.path.realpath(build_dir)
+    pids = []
+    with contextlib.suppress(OSError):  # no /proc (not Linux): nothing to find
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{entry}/cwd") == target and Path(f"/proc/{entry}/comm").read_text().strip() in _BUILD_TOOLS:
+                    pids.append(int(entry))
+            except OSError:  # gone, or another user's
+                continue
+    return pids
+
+
+def _wait_for_leftover_builders(build_dir: Path, deadline: float) -> None:
+    pids = _leftover_builders(build_dir)
+    if not pids:
+        return
+    logger.warning("waiting for the build tools of an interrupted start to exit (pids %s, in %s)", pids, build_dir)
+    while pids := _leftover_builders(build_dir):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"build tools of an interrupted start (pids {pids}) still run in {build_dir}")
+        time.sleep(_LOCK_POLL_S)
+
+
+def _build_and_publish(name: str, directory: Path, published: Path, deadline: float) -> None:
+    """Build with cpp_extension (which also loads the build into this process), then publish it. Needs build.lock held."""
+    from torch.utils import cpp_extension
+
+    build_dir = directory / "build"
+    build_dir.mkdir(exist_ok=True)
+    _wait_for_leftover_builders(build_dir, deadline)
+    torch_lock = build_dir / "lock"
+    if torch_lock.exists():  # every builder holds build.lock, which we hold: its owner is dead
+        logger.info("removing %s, left behind by an interrupted build", torch_lock)
+        torch_lock.unlink(missing_ok=True)
+    for leftover in directory.glob(f".{published.name}.*.tmp"):  # from a process killed while publishing
+        leftover.unlink(missing_ok=True)
+    built = build_dir / f"{name}.so"
+    if not built.exists():  # a warning, as the CLI shows no info by default
+        logger.warning("building tokenmill's CPU kernels for this machine (once; about half a minute)")
+    cpp_extension.load(
+        name=name,
+        sources=[str(s) for s in _SOURCES],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=_LDFLAGS,
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    _publish(built, published)
+
+
+def _failure_reason(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    reason = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0])
+    return reason[:300]
+
+
+def load_cpu_kernels() -> KernelLoad:
+    """Load the CPU kernels once per process, building them first if no process has; never raises."""
+    with _LOAD_LOCK:
+        return _load_once()
+
+
+@functools.cache
+def _load_once() -> KernelLoad:
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        return KernelLoad(None, error="turned off by TOKENMILL_CPU_KERNELS=0")
+    start = time.perf_counter()
+    try:
+        name = kernel_name()
+        directory = kernel_dir(name)
+        published = directory / f"{name}.so"
+    except OSError as exc:  # unreadable sources: an installation problem, but the torch paths still work
+        logger.warning("tokenmill's CPU kernels could not be built; using the PyTorch paths (%s)", exc)
+        return KernelLoad(None, error=str(exc))
+    if published.exists():  # published by an atomic rename: complete, whoever built it
+        try:
+            torch.ops.load_library(str(published))
+        except Exception as exc:
+            reason = _failure_reason(exc)
+            logger.warning("tokenmill's CPU kernels at %s could not be loaded (delete it to rebuild); using the PyTorch paths (%s)", published, reason)
+            return KernelLoad(None, seconds=time.perf_counter() - start, error=reason)
+        return KernelLoad(published, seconds=time.perf_counter() - start)
+    timeout = _build_timeout()
+    deadline = time.monotonic() + timeout  # for all waits on other processes' builds together
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        lock_path = directory / "build.lock"
+        with _build_lock(lock_path, deadline) as held:
+            if not held:
+                reason = f"another process held {lock_path} for over {timeout:g} s"
+                logger.warning(
+                    "gave up waiting for another process to build tokenmill's CPU kernels (%s); using the PyTorch paths. "
+                    "Set %s to wait longer, or run `tokenmill build-kernels` first",
+                    reason, BUILD_TIMEOUT_ENV,
+                )
+                return KernelLoad(None, seconds=time.perf_counter() - start, error=reason)
+            compiled = not published.exists()  # else another process built it while we waited
+            if compiled:
+                _build_and_publish(name, directory, published, deadline)
+            else:
+                torch.ops.load_library(str(published))
+    except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths still work
+        reason = _failure_reason(exc)
+        logger.warning("tokenmill's CPU kernels could not be built; using the PyTorch paths (%s)", reason)
+        logger.debug("CPU kernel build failure", exc_info=True)
+        return KernelLoad(None, seconds=time.perf_counter() - start, error=reason)
+    return KernelLoad(published, compiled=compiled, seconds=time.perf_counter() - start)
+
+
+@functools.cache
+def cpu_kernels_available() -> bool:
+    """Build (or load the finished build of) the CPU kernels once per process; True when their ops are registered."""
+    return load_cpu_kernels().available
 
 
 def use_cpu_kernels(x: torch.Tensor) -> bool:
