@@ -15,7 +15,7 @@ from conftest import random_prompts, smollm2_gguf_path
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from tokenmill.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
 
 ENGINE_ARGS = dict(dtype="float32", num_kv_blocks=128, block_size=16, max_num_batched_tokens=256)
 
@@ -148,7 +148,7 @@ def test_a_failing_step_fails_only_the_requests_in_flight(model):
         runner.execute = flaky
         await engine.start()
         try:
-            with pytest.raises(RuntimeError, match="boom"):
+            with pytest.raises(RequestFailedError, match="boom"):
                 await collect(engine, [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True), "doomed")
             outs = await collect(engine, [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True), "fine")
             assert len(outs[-1].outputs[0].token_ids) == 5

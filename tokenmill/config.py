@@ -119,17 +119,34 @@ class ParallelConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    # Seconds a grammar may take to compile (in a child process that is killed past it); the
+    # request then fails with an error naming this limit. None: no limit.
+    grammar_compile_timeout: float | None = 10.0
+    # Compiled grammars kept for reuse by later requests with the same constraint (LRU, by bytes).
+    grammar_cache_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if self.grammar_compile_timeout is not None and not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be a positive number of seconds or None, got {self.grammar_compile_timeout}")
+        if self.grammar_cache_bytes < 0:
+            raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     device: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (the LLM(...) and CLI spelling); unknown names are an error."""
-        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+                 "structured_outputs": StructuredOutputsConfig}
         values: dict[str, dict] = {name: {} for name in parts}
         device = kwargs.pop("device", "auto")
         for key, value in kwargs.items():

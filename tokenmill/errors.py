@@ -27,3 +27,16 @@ class EngineOverloadedError(TokenmillError):
 
 class EngineDeadError(TokenmillError):
     """The engine loop has stopped (it failed, or the engine was shut down): no request can be served."""
+
+
+class RequestFailedError(TokenmillError):
+    """Requests whose own work failed inside an engine step (a bug, not a user mistake).
+
+    The engine found them by re-running the failed step's parts, aborted them, and put the
+    other requests of the step back to be recomputed: only these requests are told.
+    """
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"the engine step failed for requests {request_ids[:5]}: {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause

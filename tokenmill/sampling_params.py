@@ -13,6 +13,14 @@ from typing import Any
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+# Integer parameters become int64 tensors in the sampler: anything larger is refused here, at
+# construction, rather than overflowing inside an engine step that other requests share.
+INT64_MAX = (1 << 63) - 1
+# Stop strings are matched against every request's text at every step, on the output thread all
+# requests share: their number and length are bounded, so one request cannot slow the others.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_BAD_WORDS = 256
 
 
 def _is_int(value) -> bool:
@@ -29,8 +37,9 @@ def _int_list(name: str, values, allow_empty: bool = True) -> list[int]:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise ValueError(f"{name} must be a list of non-negative integers, got {values!r}")
     values = list(values)
-    if any((not _is_int(t)) or t < 0 for t in values):
-        raise ValueError(f"{name} must be non-negative integers, got {values}")
+    bad = [t for t in values if not _is_int(t) or not 0 <= t <= INT64_MAX]
+    if bad:
+        raise ValueError(f"{name} must be non-negative integers below 2**63, got {bad[:5]}")
     if not values and not allow_empty:
         raise ValueError(f"{name} must not be empty")
     return [int(t) for t in values]
@@ -45,7 +54,19 @@ def _str_list(name: str, values) -> list[str]:
         raise ValueError(f"{name} must be a string or a list of strings, got {values!r}")
     if any(s == "" for s in values):
         raise ValueError(f"{name} must not contain empty strings")
+    for s in values:
+        check_text(name, s)
     return list(values)
+
+
+def check_text(name: str, text: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate such as JSON's "\\ud800"): no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{name} is not valid Unicode: it holds the lone surrogate U+{ord(text[exc.start]):04X} at index {exc.start}"
+        ) from None
 
 
 @dataclass
@@ -134,15 +155,29 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise ValueError(f"{name} must be an integer or None, got {value!r}")
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "best_of"):
+            value = getattr(self, name)
+            if value is not None and not -INT64_MAX - 1 <= value <= INT64_MAX:
+                raise ValueError(f"{name} must be below 2**63, got {value}")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         # Plain Python types from here on (numpy scalars and the like are accepted above).
-        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
+        # Token id lists as sets in first-seen order: a long list of repeats would only cost every step.
+        self.stop_token_ids = list(dict.fromkeys(_int_list("stop_token_ids", self.stop_token_ids)))
         self.stop = _str_list("stop", self.stop)
         self.bad_words = _str_list("bad_words", self.bad_words)
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(
+                f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters, "
+                f"got {len(self.stop)} (longest {max(map(len, self.stop))})"
+            )
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids, allow_empty=False)
+            self.allowed_token_ids = list(
+                dict.fromkeys(_int_list("allowed_token_ids", self.allowed_token_ids, allow_empty=False))
+            )
         self.n, self.top_k, self.min_tokens = int(self.n), int(self.top_k), int(self.min_tokens)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             setattr(self, name, float(getattr(self, name)))
@@ -210,8 +245,8 @@ def _logit_bias(bias: Any) -> dict[int, float]:
             token = int(key)  # OpenAI sends the keys as strings
         except (TypeError, ValueError):
             raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
-        if token < 0:
-            raise ValueError(f"logit_bias keys must be non-negative token ids, got {token}")
+        if not 0 <= token <= INT64_MAX:
+            raise ValueError(f"logit_bias keys must be non-negative token ids below 2**63, got {token}")
         if not _is_number(value) or not math.isfinite(value):
             raise ValueError(f"logit_bias values must be finite numbers, got {value!r}")
         out[token] = max(-100.0, min(100.0, float(value)))  # OpenAI's range

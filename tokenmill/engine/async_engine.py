@@ -3,7 +3,8 @@
 Three stages run at once (the pipeline of the PPL.LLM design), so the model never waits for text work:
 
 1. tokenize: LLMEngine.make_request (tokenization, checks, grammar compilation) runs on a worker
-   thread of the event loop's executor, not on the event loop and not on the engine thread;
+   thread of the event loop's executor (requests with a grammar on threads of their own, since a
+   compile may take seconds), not on the event loop and not on the engine thread;
 2. compute: the engine thread runs LLMEngine.step_core back to back; between two steps it takes
    in new requests, aborts and stop orders, so requests join and leave the batch at every step;
 3. detokenize: the output thread turns each step's tokens into RequestOutputs (OutputProcessor:
@@ -25,13 +26,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import EngineStats, LLMEngine, PromptInput
 from tokenmill.engine.output_processor import CoreStep, StopOrder
 from tokenmill.engine.request import Request
-from tokenmill.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from tokenmill.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -91,6 +93,7 @@ class AsyncLLMEngine:
         self._adds_sent = 0  # event-loop thread writes
         self._adds_taken = 0  # engine thread writes
         self._stats: EngineStats = self.engine.stats()
+        self._grammar_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenmill-grammar")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._accepting = False
@@ -163,6 +166,7 @@ class AsyncLLMEngine:
         for thread in self._threads:
             await asyncio.to_thread(thread.join, 10.0)
         self._threads.clear()
+        self._grammar_threads.shutdown(wait=False, cancel_futures=True)
         if self._dead is None:
             self._dead = EngineDeadError("the engine is shut down")
 
@@ -184,8 +188,13 @@ class AsyncLLMEngine:
         submitted = finished = False
         try:
             self._num_preparing += 1
+            # Grammar compiles can take seconds: on their own threads, so they never hold up the
+            # tokenization of other requests (which runs on the loop's default executor).
+            executor = self._grammar_threads if params.structured_outputs is not None else None
             try:
-                request = await asyncio.to_thread(self.engine.make_request, prompt, params, request_id)
+                request = await asyncio.get_running_loop().run_in_executor(
+                    executor, self.engine.make_request, prompt, params, request_id
+                )
             finally:
                 self._num_preparing -= 1
             self._check_alive()
@@ -272,6 +281,10 @@ class AsyncLLMEngine:
     def _run_step(self) -> None:
         try:
             step = self.engine.step_core()
+        except RequestFailedError as exc:
+            # The engine isolated the requests that failed (and aborted them); the rest go on.
+            self._send(_Failed(exc.request_ids, exc))
+            return
         except Exception as exc:
             # A step that fails leaves no trace: the requests in flight are aborted (their blocks freed) and
             # told why; the loop goes on serving new requests.

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import psutil
 import torch
@@ -19,13 +20,13 @@ from tokenmill.engine.logprobs import LogprobsProcessor, check_token_controls
 from tokenmill.engine.output_processor import CoreStep, OutputProcessor, SequenceUpdate
 from tokenmill.engine.beam_search import BeamSearchGroup, beam_sampling_params
 from tokenmill.engine.request import Request, RequestStatus, SequenceGroup
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from tokenmill.engine.structured_output import StructuredOutputManager
-from tokenmill.errors import InvalidRequestError, PromptTooLongError
+from tokenmill.errors import InvalidRequestError, PromptTooLongError, RequestFailedError
 from tokenmill.loader import build_model, load_model_source
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import BeamSearchParams, SamplingParams
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams, check_text
+from tokenmill.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model was loaded without a tokenizer: give prompt_token_ids instead of text")
+            try:
+                check_text("the prompt", prompt)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
             return prompt, self.tokenizer.encode(prompt)
         return None, self._check_token_ids(prompt)
 
@@ -167,8 +172,9 @@ class LLMEngine:
         compile cache, so the async engine runs it on a worker thread while the engine loop runs."""
         params = params or SamplingParams()
         bad_words_token_ids = check_token_controls(params, self.tokenizer, self.vocab_size)
+        compiled_grammar = None
         if params.structured_outputs is not None:  # compiled (or found in the cache) before anything runs
-            self.structured_output_manager().compile(params.structured_outputs)
+            compiled_grammar = self.structured_output_manager().compile(params.structured_outputs)
         text, token_ids = self._servable_prompt(prompt)
         request_id = str(next(self._ids)) if request_id is None else request_id
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
@@ -181,6 +187,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             prompt=text,
             bad_words_token_ids=bad_words_token_ids,
+            compiled_grammar=compiled_grammar,
         )
         if params.num_sequences > 1:  # the scheduler forks the other sequences off it once the prompt is in
             request.group = SequenceGroup(request_id, params.num_sequences, sequences=[request])
@@ -261,7 +268,7 @@ class LLMEngine:
         """The user's ids of every request with a sequence in the scheduler."""
         ids = dict.fromkeys(self._groups)
         for request in self.scheduler.requests.values():
-            ids[request.group.request_id if request.group is not None else request.request_id] = None
+            ids[self._user_request_id(request)] = None
         return list(ids)
 
     def stats(self) -> EngineStats:
@@ -278,8 +285,17 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, and return an output for each request that got a token."""
-        outputs, stops = self.output_processor.process(self.step_core())
+        """Schedule, run one forward pass, and return an output for each request that got a token.
+
+        RequestFailedError: the step failed for the requests it names (aborted and forgotten); the
+        others stay queued, and the next step goes on with them."""
+        try:
+            core = self.step_core()
+        except RequestFailedError as exc:
+            for request_id in exc.request_ids:
+                self.output_processor.drop(request_id)
+            raise
+        outputs, stops = self.output_processor.process(core)
         for order in stops:
             self.finish_sequence(order.seq_id, order.stop)
         return outputs
@@ -300,11 +316,10 @@ class LLMEngine:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = start
         self.runner.copy_blocks(scheduled.block_copies)  # copy-on-write of blocks shared by forked sequences
-        if self._structured is None:
-            sampled = self.runner.execute(scheduled.chunks)
-        else:
-            bitmask = self._structured.bitmask(scheduled.chunks, requests)
-            sampled = self.runner.execute(scheduled.chunks, grammar_bitmask=bitmask)
+        try:
+            sampled = self._compute(scheduled.chunks)
+        except Exception as exc:
+            self._fail_step(scheduled, exc)
         updated, _ = self.scheduler.update(scheduled, sampled.sampled_token_ids)
         self._logprobs.record(scheduled.chunks, sampled, updated, self.scheduler.requests)
         if self._structured is not None:
@@ -328,6 +343,51 @@ class LLMEngine:
                     step.finished_outputs.append(self._make_beam_output(group))
         return step
 
+    def _compute(self, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
+        """The step's tensor work: grammar masks, forward pass, sampling. It changes no request state
+        (only KV slots the chunks own), so a failed step can be re-run on parts of its batch."""
+        if self._structured is None:
+            return self.runner.execute(chunks)
+        bitmask = self._structured.bitmask(chunks, self.scheduler.requests)
+        return self.runner.execute(chunks, grammar_bitmask=bitmask)
+
+    def _failing_chunks(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """The chunks of a failed batch that fail on their own, found by re-running halves (bisection:
+        about 2 log2(B) small passes for one bad request). If each half passes alone, the failure
+        belongs to the batch as a whole, and every chunk is blamed."""
+        if len(chunks) == 1:
+            return chunks
+        half = len(chunks) // 2
+        failing: list[ScheduledChunk] = []
+        for part in (chunks[:half], chunks[half:]):
+            try:
+                self._compute(part)
+            except Exception:  # noqa: BLE001 - a probe: the failure is what we are looking for
+                failing.extend(self._failing_chunks(part))
+        return failing or chunks
+
+    def _fail_step(self, scheduled: SchedulerOutput, exc: Exception) -> NoReturn:
+        """A step whose tensor work raised: fail only the requests that fail on their own, recompute the rest.
+
+        Every request of the step goes back to the front of the queue to be recomputed (the failed
+        pass may have left the blocks it registered in the prefix cache unwritten, and the probes
+        wrote their slots with partial batches), then the failing requests are aborted and
+        RequestFailedError names them. The others' outputs stay exactly what they would have been.
+        """
+        failing = self._failing_chunks(scheduled.chunks) if len(scheduled.chunks) > 1 else scheduled.chunks
+        requests = self.scheduler.requests
+        request_ids = list(dict.fromkeys(self._user_request_id(requests[c.request_id]) for c in failing if c.request_id in requests))
+        logger.error("an engine step failed; failing requests %s and recomputing the other %d of the step",
+                     request_ids, len(scheduled.chunks) - len(failing), exc_info=exc)
+        self.scheduler.requeue_failed_step(scheduled)
+        for request_id in request_ids:
+            self.abort_core(request_id)
+        raise RequestFailedError(request_ids, exc) from exc
+
+    @staticmethod
+    def _user_request_id(request: Request) -> str:
+        return request.group.request_id if request.group is not None else request.request_id
+
     @staticmethod
     def _update_of(request: Request, new_tokens: int) -> SequenceUpdate:
         """A request's last `new_tokens` tokens (and its state) as plain data for the output side."""
@@ -335,7 +395,7 @@ class LLMEngine:
         new_ids = request.output_token_ids[len(request.output_token_ids) - new_tokens :] if new_tokens else []
         first_output = new_tokens and request.num_output_tokens == new_tokens
         return SequenceUpdate(
-            request_id=request.group.request_id if request.group is not None else request.request_id,
+            request_id=LLMEngine._user_request_id(request),
             seq_id=request.request_id,
             seq_index=request.seq_index,
             new_token_ids=new_ids,
@@ -377,7 +437,11 @@ class LLMEngine:
     def structured_output_manager(self) -> StructuredOutputManager:
         with self._structured_lock:  # make_request may run on several worker threads at once
             if self._structured is None:
-                self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+                so = self.config.structured_outputs
+                self._structured = StructuredOutputManager(
+                    self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                    compile_timeout=so.grammar_compile_timeout, cache_bytes=so.grammar_cache_bytes,
+                )
             return self._structured
 
     def _accept_structured(self, updated: list[Request]) -> None:

@@ -138,6 +138,13 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Take a block out of the prefix cache (its KV was never written): it stays allocated, as a plain block."""
+        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.block_hash = None
+        block.block_key = None
+
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take one more reference to each cached block a request reuses; a free one leaves the free list."""
         for block in blocks:
@@ -354,6 +361,16 @@ class KVCacheManager:
         copies = [pair for pairs in self._pending_copies.values() for pair in pairs]
         self._pending_copies.clear()
         return copies
+
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """Drop from the prefix cache the request's blocks past its first num_tokens tokens: they were
+        registered for a step that never wrote them. (A block before that holds computed tokens only:
+        cached blocks are full, and a partly computed block is never registered.)"""
+        first = num_tokens // self.block_size
+        for block in self.req_to_blocks.get(request.request_id, [])[first:]:
+            self.pool.uncache(block)
+        if self._num_cached_blocks.get(request.request_id, 0) > first:
+            self._num_cached_blocks[request.request_id] = first
 
     def free(self, request: Request) -> None:
         self._pending_copies.pop(request.request_id, None)

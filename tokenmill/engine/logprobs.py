@@ -32,6 +32,11 @@ def check_token_controls(params: SamplingParams, tokenizer: Any, vocab_size: int
         bad = [t for t in params.logit_bias if t >= vocab_size]
         if bad:
             raise InvalidRequestError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    # Stop token ids are banned from sampling while min_tokens are not out yet: an id the model
+    # cannot produce would index past the logits inside the step.
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     if not params.bad_words:
         return []
     if tokenizer is None:

@@ -60,6 +60,8 @@ class Request:
     prompt_logprobs: list = field(default_factory=list, repr=False)
     # The grammar matcher of a structured_outputs request (engine/structured_output.py), made on first use.
     structured_output: Any = field(default=None, repr=False)
+    # Its compiled grammar, from make_request: held here so the engine loop never compiles.
+    compiled_grammar: Any = field(default=None, repr=False)
     # Parallel sampling / beam search: the group this sequence belongs to and its index in it.
     group: "SequenceGroup | None" = field(default=None, repr=False)
     seq_index: int = 0
@@ -113,6 +115,7 @@ class Request:
             prompt_logprobs=self.prompt_logprobs,
             group=self.group,
             seq_index=seq_index,
+            compiled_grammar=self.compiled_grammar,
         )
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)

@@ -243,6 +243,20 @@ class Scheduler:
             banned |= request.eos_token_ids
         return tuple(sorted(banned))
 
+    def requeue_failed_step(self, output: SchedulerOutput) -> None:
+        """Undo a step whose forward pass failed: its requests go back to the front of the queue, in
+        order, to be recomputed (as a preemption), and the blocks it registered in the prefix cache
+        for tokens it never computed leave the cache, so no later request reads unwritten KV."""
+        scheduled = {c.request_id for c in output.chunks}
+        for chunk in output.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is not None:
+                self.kv_cache.uncache_from(request, chunk.start_pos)
+        requeued = [r for r in self.running if r.request_id in scheduled]
+        self.running = [r for r in self.running if r.request_id not in scheduled]
+        for request in reversed(requeued):
+            self._preempt(request)
+
     def _preempt(self, request: Request, to_front: bool = True) -> None:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0

@@ -18,12 +18,22 @@ import json
 import logging
 import re
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from tokenmill.errors import InvalidRequestError
+from tokenmill.engine.grammar_worker import (
+    CompileJob,
+    GrammarCompileError,
+    GrammarCompileTimeout,
+    GrammarCompileWorker,
+    GrammarWorkerCrashed,
+)
+from tokenmill.errors import EngineOverloadedError, InvalidRequestError, TokenmillError
 
 if TYPE_CHECKING:  # xgrammar takes ~2 s to import: only when a constrained request arrives
     import xgrammar
@@ -83,27 +93,66 @@ class _MatcherState:
         self.failed = False
 
 
-class StructuredOutputManager:
-    """Compiles constraints (cached by StructuredOutputsParams.key()) and masks sampling rows."""
+def compile_job(params: "StructuredOutputsParams") -> CompileJob:
+    """What the grammar compiler gets for a constraint (every kind becomes a JSON schema, a regex or EBNF)."""
+    any_whitespace = not params.disable_any_whitespace
+    if params.json is not None:
+        schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+        if not isinstance(json.loads(schema), dict):
+            raise InvalidRequestError("invalid structured_outputs.json: a JSON schema must be a JSON object")
+        return CompileJob("json", schema, any_whitespace)
+    if params.regex is not None:
+        return CompileJob("regex", params.regex)
+    if params.choice is not None:
+        return CompileJob("grammar", choice_grammar(params.choice))
+    if params.grammar is not None:
+        return CompileJob("grammar", params.grammar)
+    if params.json_object:
+        # Any JSON object. xgrammar's builtin JSON grammar would also allow a top-level array,
+        # and json_object (OpenAI's response_format) promises an object.
+        return CompileJob("json", '{"type": "object"}', any_whitespace, strict_mode=False)
+    raise InvalidRequestError("structured_outputs has no constraint")
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+
+class StructuredOutputManager:
+    """Compiles constraints (cached by StructuredOutputsParams.key()) and masks sampling rows.
+
+    Compiles run in a child process (grammar_worker.py), one at a time, each bounded by
+    compile_timeout seconds (the wait for the compiler counts too); a request whose constraint
+    is being compiled by another request waits for that compile instead of repeating it. The
+    cache of compiled grammars is an LRU bounded in bytes, and constraints that timed out are
+    remembered (a bounded set), so a resent slow schema is refused at once.
+    """
+
+    _MAX_TIMED_OUT_KEYS = 1024
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
+                 compile_timeout: float | None = 10.0, cache_bytes: int = 256 << 20) -> None:
         if tokenizer is None:
             raise InvalidRequestError("structured_outputs needs a tokenizer, and this model was loaded without one")
         import xgrammar as xgr
 
         self._xgr = xgr
         self.vocab_size = vocab_size
+        self.compile_timeout = compile_timeout
+        self.cache_bytes = cache_bytes
         try:
             self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None
             )
         except Exception as exc:  # an unusual tokenizer xgrammar cannot read
             raise InvalidRequestError(f"structured_outputs is not available for this tokenizer: {_clean_error(exc)}") from None
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_enabled=False)
-        self._cache: dict[tuple[str, str], Any] = {}
-        self._lock = threading.Lock()  # add_request may come from another thread than step()
+        self.worker = GrammarCompileWorker(self.tokenizer_info.serialize_json())
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cached_bytes = 0
+        self._timed_out: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._pending: dict[tuple[str, str], Future] = {}
+        self._lock = threading.Lock()  # make_request runs on several worker threads at once
         self.num_compiles = 0
         self.num_cache_hits = 0
+
+    def close(self) -> None:
+        self.worker.close()
 
     # -- compile ----------------------------------------------------------
     def compile(self, params: "StructuredOutputsParams") -> Any:
@@ -112,44 +161,81 @@ class StructuredOutputManager:
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
+                self._cache.move_to_end(key)
                 self.num_cache_hits += 1
                 return compiled
+            if key in self._timed_out:
+                raise self._timeout_error(key[0])
+            pending = self._pending.get(key)
+            owner = pending is None
+            if owner:
+                pending = self._pending[key] = Future()
+        if not owner:  # the same constraint is being compiled for another request: wait for it
+            wall = None if self.compile_timeout is None else self.compile_timeout * GrammarCompileWorker.WALL_FACTOR
             try:
-                compiled = self._compile(params)
-            except InvalidRequestError:
-                raise
-            except Exception as exc:
-                kind = key[0]
-                raise InvalidRequestError(f"invalid structured_outputs.{kind}: {_clean_error(exc)}") from None
+                return pending.result(timeout=wall)
+            except FutureTimeout:
+                raise self._timeout_error(key[0], waited=True) from None
+        try:
+            compiled = self._compile(params)
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+        with self._lock:
             self.num_compiles += 1
-            self._cache[key] = compiled
-            return compiled
+            self._remember(key, compiled)
+        pending.set_result(compiled)
+        return compiled
+
+    def _remember(self, key: tuple[str, str], compiled: Any) -> None:
+        size = int(compiled.memory_size_bytes)
+        if size > self.cache_bytes:
+            return
+        self._cache[key] = compiled
+        self._cached_bytes += size
+        while self._cached_bytes > self.cache_bytes:
+            _, old = self._cache.popitem(last=False)
+            self._cached_bytes -= int(old.memory_size_bytes)
+
+    def _timeout_error(self, kind: str, waited: bool = False) -> TokenmillError:
+        if waited:  # not this constraint's fault: the compiler was busy (try again)
+            return EngineOverloadedError(
+                f"structured_outputs.{kind}: the grammar compiler was busy with other requests' grammars for too long; try again"
+            )
+        return InvalidRequestError(
+            f"structured_outputs.{kind}: the grammar needs more than the limit of {self.compile_timeout:g} s of CPU time "
+            "to compile (grammar_compile_timeout, --grammar-compile-timeout); large maxLength, maxItems or repetition "
+            "counts make grammars slow to compile"
+        )
 
     def _compile(self, params: "StructuredOutputsParams") -> Any:
-        compiler = self.compiler
-        any_whitespace = not params.disable_any_whitespace
-        if params.json is not None:
-            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-            if not isinstance(json.loads(schema), dict):
-                raise InvalidRequestError("invalid structured_outputs.json: a JSON schema must be a JSON object")
-            return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
-        if params.regex is not None:
-            return compiler.compile_regex(params.regex)
-        if params.choice is not None:
-            return compiler.compile_grammar(choice_grammar(params.choice))
-        if params.grammar is not None:
-            return compiler.compile_grammar(params.grammar)
-        if params.json_object:
-            # Any JSON object. xgrammar's builtin JSON grammar would also allow a top-level array,
-            # and json_object (OpenAI's response_format) promises an object.
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False)
-        raise InvalidRequestError("structured_outputs has no constraint")
+        key = params.key()
+        job = compile_job(params)
+        try:
+            serialized = self.worker.compile(job, self.compile_timeout)
+        except GrammarCompileTimeout as exc:
+            if not exc.waited:  # this constraint itself is too slow: refuse it at once from now on
+                with self._lock:
+                    self._timed_out[key] = None
+                    while len(self._timed_out) > self._MAX_TIMED_OUT_KEYS:
+                        self._timed_out.popitem(last=False)
+            raise self._timeout_error(key[0], exc.waited) from None
+        except GrammarCompileError as exc:
+            raise InvalidRequestError(f"invalid structured_outputs.{key[0]}: {_clean_error(exc)}") from None
+        except GrammarWorkerCrashed as exc:
+            logger.error("structured output: %s", exc)
+            raise InvalidRequestError(f"structured_outputs.{key[0]} could not be compiled: {exc}") from None
+        return self._xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
+
 
     # -- per step ---------------------------------------------------------
     def _state(self, request: "Request") -> _MatcherState:
         state = request.structured_output
         if state is None or state.owner is not request:
-            compiled = self.compile(request.sampling_params.structured_outputs)
+            compiled = request.compiled_grammar or self.compile(request.sampling_params.structured_outputs)
             state = _MatcherState(request, self._xgr.GrammarMatcher(compiled))
             request.structured_output = state
             for token in request.output_token_ids:  # a forked copy: catch up with its tokens

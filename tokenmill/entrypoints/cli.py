@@ -26,6 +26,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="turn off automatic prefix caching (reuse of the KV of prompt prefixes seen before)",
     )
     g.add_argument("--engine-seed", dest="engine_seed", type=int, default=0, help="seed of the engine's random draws")
+    g.add_argument(
+        "--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+        help="structured output: a grammar that takes longer to compile fails its request with an error naming this limit (default: 10)",
+    )
     g.add_argument("--verbose", "-v", action="store_true", help="log engine details to stderr")
 
 
@@ -61,6 +65,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.engine_seed,
+        grammar_compile_timeout=args.grammar_compile_timeout,
     )
 
 
@@ -135,6 +140,17 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_build_kernels(args: argparse.Namespace) -> None:
+    """Build (or find) the CPU kernels ahead of time, so no later start pays for, or waits on, the build."""
+    from tokenmill.kernels.cpu import load_cpu_kernels
+
+    result = load_cpu_kernels()
+    if not result.available:  # SystemExit with a message: exit status 1
+        raise SystemExit(f"error: tokenmill's CPU kernels could not be built: {result.error}")
+    verb = "built" if result.compiled else "found a finished build of"
+    print(f"{verb} tokenmill's CPU kernels in {result.seconds:.3f} s: {result.path}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="A small, fast LLM inference engine.")
     parser.add_argument("--version", action="version", version=f"tokenmill {_version()}")
@@ -151,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
+
+    kernels = sub.add_parser("build-kernels", help="build tokenmill's CPU kernels ahead of time (else the first start builds them)")
+    kernels.add_argument("--verbose", "-v", action="store_true", help="log build details to stderr")
+    kernels.set_defaults(func=cmd_build_kernels)
 
     # serve and bench live with their code; each registers its own subcommand.
     from tokenmill.bench.cli import add_bench_parser
