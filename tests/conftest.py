@@ -218,9 +218,9 @@ def smollm2_gguf_path() -> str | None:
 def tokenmill_logits(llm, token_ids: list[int], chunk: int) -> torch.Tensor:
     """Float32 logits at every prompt position from tokenmill's own forward pass, the prompt fed in
     chunks of `chunk` tokens through the paged KV cache (blocks 1..n: nothing else may be running)."""
-    from tokenmill.engine.scheduler import ScheduledChunk
+    from tokenmill.engine.messages import ScheduledChunk
     from tokenmill.sampling_params import SamplingParams
-    from tokenmill.worker.batch import BatchInputs
+    from tokenmill.worker.batch import build_batch_inputs
 
     runner = llm.llm_engine.runner
     block_size = runner.block_size
@@ -239,7 +239,7 @@ def tokenmill_logits(llm, token_ids: list[int], chunk: int) -> torch.Tensor:
                 sampling_seed=0,
                 output_index=0,
             )
-            batch = BatchInputs.build([piece], block_size, runner.device)
+            batch = build_batch_inputs([piece], block_size, runner.device)
             hidden = runner.model(batch.input_ids, batch.positions, batch)
             rows.append(runner.model.compute_logits(hidden).float())
     return torch.cat(rows)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.engine.messages import ScheduledChunk
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.batch import BatchInputs
+from tokenmill.layers.attention_metadata import BatchInputs
+from tokenmill.worker.batch import build_batch_inputs
 
 
 def chunk(rid: str, token_ids: list[int], start: int, blocks: list[int], sample: bool = True) -> ScheduledChunk:
@@ -23,7 +24,7 @@ def chunk(rid: str, token_ids: list[int], start: int, blocks: list[int], sample:
 
 
 def build(chunks, block_size=4) -> BatchInputs:
-    return BatchInputs.build(chunks, block_size, torch.device("cpu"))
+    return build_batch_inputs(chunks, block_size, torch.device("cpu"))
 
 
 def test_mixed_batch_layout():

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.config import cpu_has_native_bf16, resolve_dtype
-from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.engine.messages import ScheduledChunk
 from tokenmill.kernels.cpu import cpu_kernels_available
 from tokenmill.layers.attention import Attention, CpuPagedAttention, TorchPagedAttention
 from tokenmill.layers.linear import PackedCPUWeight, cpu_packed_weights_supported
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.batch import BatchInputs
+from tokenmill.worker.batch import build_batch_inputs
 
 BLOCK = 4
 
@@ -77,7 +77,7 @@ def test_paged_attention_matches_reference(backend, dtype, tol, num_kv_heads, wi
             attn.v_cache[:, table[pos // BLOCK], pos % BLOCK] = v_all[pos]
         history.append((k_all, v_all, cached, new))
         chunks.append(ScheduledChunk(f"r{i}", list(range(new)), cached, table, True, SamplingParams(), 0, 0))
-    batch = BatchInputs.build(chunks, BLOCK, torch.device("cpu"))
+    batch = build_batch_inputs(chunks, BLOCK, torch.device("cpu"))
     q = torch.randn(batch.num_tokens, num_heads, head_dim).to(dtype)
     k_new = torch.cat([k[c:] for k, _, c, _ in history])
     v_new = torch.cat([v[c:] for _, v, c, _ in history])

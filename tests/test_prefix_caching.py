@@ -19,7 +19,8 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.engine import kv_cache as kv_module
 from tokenmill.engine.kv_cache import BlockKey, BlockPool, KVCacheManager, cdiv, hash_block_tokens
 from tokenmill.engine.request import Request, RequestStatus, SequenceGroup
-from tokenmill.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from tokenmill.engine.messages import ScheduledChunk, SchedulerOutput
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 
 BS = 16

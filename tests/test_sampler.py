@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.engine.messages import ScheduledChunk
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.sampler import (
     Sampler,

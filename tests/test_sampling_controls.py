@@ -17,7 +17,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.logprobs import bad_words_token_ids
-from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.engine.messages import ScheduledChunk
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import Logprob
 from tokenmill.worker.sampler import (

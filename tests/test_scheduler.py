@@ -11,7 +11,8 @@ import pytest
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, cdiv
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from tokenmill.engine.messages import ScheduledChunk, SchedulerOutput
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 
 EOS = 2

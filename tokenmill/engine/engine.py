@@ -20,13 +20,14 @@ from tokenmill.engine.logprobs import LogprobsProcessor, check_token_controls
 from tokenmill.engine.output_processor import CoreStep, OutputProcessor, SequenceUpdate
 from tokenmill.engine.beam_search import BeamSearchGroup, beam_sampling_params
 from tokenmill.engine.request import Request, RequestStatus, SequenceGroup
-from tokenmill.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from tokenmill.engine.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import InvalidRequestError, PromptTooLongError, RequestFailedError
 from tokenmill.loader import build_model, load_model_source
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams, check_text
-from tokenmill.worker.model_runner import ModelRunner, ModelRunnerOutput
+from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

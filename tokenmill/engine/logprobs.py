@@ -18,8 +18,8 @@ from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
-    from tokenmill.engine.scheduler import ScheduledChunk
-    from tokenmill.worker.model_runner import ModelRunnerOutput, PositionLogprobs
+    from tokenmill.engine.messages import ScheduledChunk
+    from tokenmill.engine.messages import ModelRunnerOutput, PositionLogprobs
 
 
 def check_token_controls(params: SamplingParams, tokenizer: Any, vocab_size: int) -> list[list[int]]:

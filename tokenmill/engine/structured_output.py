@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # xgrammar takes ~2 s to import: only when a constrained requ
     import xgrammar
 
     from tokenmill.engine.request import Request
-    from tokenmill.engine.scheduler import ScheduledChunk
+    from tokenmill.engine.messages import ScheduledChunk
     from tokenmill.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import cpu as cpu_kernels
-from tokenmill.worker.batch import AttentionGroup, BatchInputs
+from tokenmill.layers.attention_metadata import AttentionGroup, BatchInputs
 
 
 class GatherWorkspace:

@@ -13,7 +13,7 @@ from tokenmill.layers.embedding import VocabEmbedding, project_logits
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import LayerNorm
 from tokenmill.models.weights import load_named_weights
-from tokenmill.worker.batch import BatchInputs
+from tokenmill.layers.attention_metadata import BatchInputs
 
 # HF GPT-2 stores these as Conv1D weights, [in, out]; ours are nn.Linear-shaped [out, in].
 _CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")

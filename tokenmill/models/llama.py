@@ -15,7 +15,7 @@ from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.weights import load_named_weights
-from tokenmill.worker.batch import BatchInputs
+from tokenmill.layers.attention_metadata import BatchInputs
 
 
 def sliding_window_for_layer(config, layer_idx: int) -> int | None:

@@ -1,141 +1,64 @@
-"""BatchInputs: everything one forward pass needs, built from the scheduled chunks in one go with numpy."""
+"""build_batch_inputs: everything one forward pass needs, from the scheduled chunks in one go with numpy."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 import torch
 
-from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.engine.messages import ScheduledChunk
+from tokenmill.layers.attention_metadata import AttentionGroup, BatchInputs
 
 
-def head_major_rows(index: torch.Tensor, num_kv_heads: int, rows_per_head: int) -> torch.Tensor:
-    """Rows of a head-major cache viewed as [num_kv_heads * rows_per_head, ...] for the given per-head
-    row indices (blocks or slots): head 0's rows in index order, then head 1's, and so on."""
-    heads = torch.arange(num_kv_heads, device=index.device)[:, None] * rows_per_head
-    return (heads + index.flatten()[None, :]).flatten()
+def build_batch_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> BatchInputs:
+    """BatchInputs from the scheduled chunks, in one go with numpy."""
+    num_reqs = len(chunks)
+    q_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=num_reqs)
+    starts = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=num_reqs)
+    num_tokens = int(q_lens.sum())
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=query_start_loc[1:])
+    seq_lens = starts + q_lens
 
+    input_ids = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64, count=num_tokens)
+    req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+    positions = np.arange(num_tokens) - query_start_loc[:-1][req_of_token] + starts[req_of_token]
 
-@dataclass
-class AttentionGroup:
-    """Requests of one shape class (decodes, or prompt chunks) padded to a common query length.
+    # Block table: scatter every request's block ids into a zero-padded matrix.
+    n_blocks = np.fromiter((len(c.block_ids) for c in chunks), dtype=np.int64, count=num_reqs)
+    flat_blocks = np.fromiter(chain.from_iterable(c.block_ids for c in chunks), dtype=np.int64, count=int(n_blocks.sum()))
+    block_tables = np.zeros((num_reqs, max(int(n_blocks.max()), 1)), dtype=np.int64)
+    block_starts = np.cumsum(n_blocks) - n_blocks
+    row_of_block = np.repeat(np.arange(num_reqs), n_blocks)
+    block_tables[row_of_block, np.arange(len(flat_blocks)) - block_starts[row_of_block]] = flat_blocks
+    slot_mapping = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
 
-    Decodes and prompt chunks are attended in separate groups so that 32 decodes in a batch
-    with one long prompt chunk are not padded to the chunk's length.
-    """
+    sample_rows = np.fromiter((c.sample for c in chunks), dtype=bool, count=num_reqs)
+    logits_indices = (query_start_loc[1:] - 1)[sample_rows]
 
-    token_index: torch.Tensor  # [b, max_q] rows of the step's tokens; padding points at a scratch row
-    block_table: torch.Tensor  # [b, num_blocks] the blocks holding each request's context
-    query_pos: torch.Tensor  # [b, max_q] position of each query token
-    from_start: bool = False  # every request's chunk starts at position 0 (a whole or first prompt chunk)
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    _kv_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    _decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    groups = []
+    is_decode = q_lens == 1
+    decode_rows = np.nonzero(is_decode)[0]
+    row_groups = ([decode_rows] if len(decode_rows) else []) + _prompt_row_groups(np.nonzero(~is_decode)[0], q_lens)
+    for rows in row_groups:
+        groups.append(_make_group(rows, q_lens, starts, seq_lens, query_start_loc, block_tables, block_size, num_tokens, device))
 
-    def decode_rows_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode group's token rows and query positions, one per request, contiguous (made once per step)."""
-        if self._decode_inputs is None:
-            self._decode_inputs = (self.token_index[:, 0].contiguous(), self.query_pos[:, 0].contiguous())
-        return self._decode_inputs
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
 
-    def kv_rows(self, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
-        """Rows of a head-major cache viewed as [num_kv_heads * num_blocks, ...] holding the group's
-        context: head h's blocks first, then head h + 1's, each request's blocks in order."""
-        key = (num_kv_heads, num_blocks)
-        rows = self._kv_rows.get(key)
-        if rows is None:
-            rows = self._kv_rows[key] = head_major_rows(self.block_table, num_kv_heads, num_blocks)
-        return rows
-
-    def mask(self, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
-        """Boolean [b, 1, max_q, num_blocks * block_size]: causal over the request's own context."""
-        cached = self._masks.get(sliding_window)
-        if cached is None:
-            kv_pos = torch.arange(self.block_table.shape[1] * block_size, device=self.query_pos.device)
-            q_pos = self.query_pos[:, :, None]
-            cached = kv_pos <= q_pos
-            if sliding_window is not None:
-                cached &= kv_pos > q_pos - sliding_window
-            cached = cached[:, None]
-            self._masks[sliding_window] = cached
-        return cached
-
-
-@dataclass
-class BatchInputs:
-    """One forward pass's inputs; the tensors are on the model's device."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token: block_id * block_size + offset
-    query_start_loc: torch.Tensor  # [B + 1]
-    seq_lens: torch.Tensor  # [B] context length after this step
-    block_tables: torch.Tensor  # [B, max_blocks], padded with the null block 0
-    logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
-    attn_groups: list[AttentionGroup]  # decodes (if any) first, then prompt chunks by decreasing length
-    block_size: int
-    num_tokens: int
-    _slot_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-
-    def slot_rows(self, num_kv_heads: int, num_slots: int) -> torch.Tensor:
-        """Rows of a head-major cache viewed as [num_kv_heads * num_slots, head_dim] where the new
-        tokens' K/V go: head h's slots first, then head h + 1's (computed once per step)."""
-        key = (num_kv_heads, num_slots)
-        rows = self._slot_rows.get(key)
-        if rows is None:
-            rows = self._slot_rows[key] = head_major_rows(self.slot_mapping, num_kv_heads, num_slots)
-        return rows
-
-    @classmethod
-    def build(cls, chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> "BatchInputs":
-        num_reqs = len(chunks)
-        q_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=num_reqs)
-        starts = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=num_reqs)
-        num_tokens = int(q_lens.sum())
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        seq_lens = starts + q_lens
-
-        input_ids = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64, count=num_tokens)
-        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
-        positions = np.arange(num_tokens) - query_start_loc[:-1][req_of_token] + starts[req_of_token]
-
-        # Block table: scatter every request's block ids into a zero-padded matrix.
-        n_blocks = np.fromiter((len(c.block_ids) for c in chunks), dtype=np.int64, count=num_reqs)
-        flat_blocks = np.fromiter(chain.from_iterable(c.block_ids for c in chunks), dtype=np.int64, count=int(n_blocks.sum()))
-        block_tables = np.zeros((num_reqs, max(int(n_blocks.max()), 1)), dtype=np.int64)
-        block_starts = np.cumsum(n_blocks) - n_blocks
-        row_of_block = np.repeat(np.arange(num_reqs), n_blocks)
-        block_tables[row_of_block, np.arange(len(flat_blocks)) - block_starts[row_of_block]] = flat_blocks
-        slot_mapping = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
-
-        sample_rows = np.fromiter((c.sample for c in chunks), dtype=bool, count=num_reqs)
-        logits_indices = (query_start_loc[1:] - 1)[sample_rows]
-
-        groups = []
-        is_decode = q_lens == 1
-        decode_rows = np.nonzero(is_decode)[0]
-        row_groups = ([decode_rows] if len(decode_rows) else []) + _prompt_row_groups(np.nonzero(~is_decode)[0], q_lens)
-        for rows in row_groups:
-            groups.append(_make_group(rows, q_lens, starts, seq_lens, query_start_loc, block_tables, block_size, num_tokens, device))
-
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device, non_blocking=True)
-
-        return cls(
-            input_ids=t(input_ids),
-            positions=t(positions),
-            slot_mapping=t(slot_mapping),
-            query_start_loc=t(query_start_loc),
-            seq_lens=t(seq_lens),
-            block_tables=t(block_tables),
-            logits_indices=t(logits_indices),
-            attn_groups=groups,
-            block_size=block_size,
-            num_tokens=num_tokens,
-        )
+    return BatchInputs(
+        input_ids=t(input_ids),
+        positions=t(positions),
+        slot_mapping=t(slot_mapping),
+        query_start_loc=t(query_start_loc),
+        seq_lens=t(seq_lens),
+        block_tables=t(block_tables),
+        logits_indices=t(logits_indices),
+        attn_groups=groups,
+        block_size=block_size,
+        num_tokens=num_tokens,
+    )
 
 
 # A prompt group's padded query slots may be at most this many times its real query tokens.

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.engine.messages import ModelRunnerOutput, PositionLogprobs, PromptLogprobsChunk, ScheduledChunk
 from tokenmill.layers.attention import Attention, GatherWorkspace, attention_backend
-from tokenmill.worker.batch import BatchInputs
+from tokenmill.worker.batch import build_batch_inputs
 from tokenmill.worker.cpu_memory import tune_malloc, zeros_huge_page_aligned
 from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
 
@@ -79,7 +77,7 @@ class ModelRunner:
 
         grammar_bitmask: structured output's allowed tokens, one row per sampling chunk (in order).
         """
-        batch = BatchInputs.build(chunks, self.block_size, self.device)
+        batch = build_batch_inputs(chunks, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         result = ModelRunnerOutput.empty(len(chunks))
         self._prompt_logprobs(chunks, hidden, result)
@@ -139,35 +137,6 @@ class ModelRunner:
 
 # Prompt positions whose logits are materialized at once for prompt_logprobs.
 _PROMPT_LOGPROBS_ROWS = 512
-
-
-@dataclass
-class PositionLogprobs:
-    """One position's logprobs: token_ids[0] is the actual token (its rank in rank), then the top-k, most likely first."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
-
-
-@dataclass
-class PromptLogprobsChunk:
-    first_index: int  # prompt index of the token positions[0] scores
-    positions: list[PositionLogprobs]
-
-
-@dataclass
-class ModelRunnerOutput:
-    """One step's results, one entry per scheduled chunk (None where it does not apply)."""
-
-    sampled_token_ids: list[int | None]
-    sampled_logprobs: list[float | None]  # raw logprob of each sampled token, always
-    logprobs: list[PositionLogprobs | None]  # only for requests with params.logprobs
-    prompt_logprobs: list[PromptLogprobsChunk | None]  # only for requests with params.prompt_logprobs
-
-    @classmethod
-    def empty(cls, n: int) -> "ModelRunnerOutput":
-        return cls([None] * n, [None] * n, [None] * n, [None] * n)
 
 
 def _logprobs_lists(token_ids: torch.Tensor, lp: LogprobsTensors, rows) -> list[PositionLogprobs]:

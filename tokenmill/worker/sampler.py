@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.engine.messages import ScheduledChunk
 from tokenmill.kernels import cpu as cpu_kernels
 
 _MASK31 = 0x7FFFFFFF

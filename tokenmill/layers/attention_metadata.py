@@ -1,0 +1,89 @@
+"""The attention metadata of one forward pass: what the attention layers read besides the tensors.
+
+It lives beside the attention layer (layers/ and models/ import nothing from the engine or the
+worker); worker/batch.py builds it from the scheduled chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def head_major_rows(index: torch.Tensor, num_kv_heads: int, rows_per_head: int) -> torch.Tensor:
+    """Rows of a head-major cache viewed as [num_kv_heads * rows_per_head, ...] for the given per-head
+    row indices (blocks or slots): head 0's rows in index order, then head 1's, and so on."""
+    heads = torch.arange(num_kv_heads, device=index.device)[:, None] * rows_per_head
+    return (heads + index.flatten()[None, :]).flatten()
+
+
+@dataclass
+class AttentionGroup:
+    """Requests of one shape class (decodes, or prompt chunks) padded to a common query length.
+
+    Decodes and prompt chunks are attended in separate groups so that 32 decodes in a batch
+    with one long prompt chunk are not padded to the chunk's length.
+    """
+
+    token_index: torch.Tensor  # [b, max_q] rows of the step's tokens; padding points at a scratch row
+    block_table: torch.Tensor  # [b, num_blocks] the blocks holding each request's context
+    query_pos: torch.Tensor  # [b, max_q] position of each query token
+    from_start: bool = False  # every request's chunk starts at position 0 (a whole or first prompt chunk)
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _kv_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def decode_rows_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode group's token rows and query positions, one per request, contiguous (made once per step)."""
+        if self._decode_inputs is None:
+            self._decode_inputs = (self.token_index[:, 0].contiguous(), self.query_pos[:, 0].contiguous())
+        return self._decode_inputs
+
+    def kv_rows(self, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+        """Rows of a head-major cache viewed as [num_kv_heads * num_blocks, ...] holding the group's
+        context: head h's blocks first, then head h + 1's, each request's blocks in order."""
+        key = (num_kv_heads, num_blocks)
+        rows = self._kv_rows.get(key)
+        if rows is None:
+            rows = self._kv_rows[key] = head_major_rows(self.block_table, num_kv_heads, num_blocks)
+        return rows
+
+    def mask(self, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
+        """Boolean [b, 1, max_q, num_blocks * block_size]: causal over the request's own context."""
+        cached = self._masks.get(sliding_window)
+        if cached is None:
+            kv_pos = torch.arange(self.block_table.shape[1] * block_size, device=self.query_pos.device)
+            q_pos = self.query_pos[:, :, None]
+            cached = kv_pos <= q_pos
+            if sliding_window is not None:
+                cached &= kv_pos > q_pos - sliding_window
+            cached = cached[:, None]
+            self._masks[sliding_window] = cached
+        return cached
+
+
+@dataclass
+class BatchInputs:
+    """One forward pass's inputs; the tensors are on the model's device."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token: block_id * block_size + offset
+    query_start_loc: torch.Tensor  # [B + 1]
+    seq_lens: torch.Tensor  # [B] context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks], padded with the null block 0
+    logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
+    attn_groups: list[AttentionGroup]  # decodes (if any) first, then prompt chunks by decreasing length
+    block_size: int
+    num_tokens: int
+    _slot_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def slot_rows(self, num_kv_heads: int, num_slots: int) -> torch.Tensor:
+        """Rows of a head-major cache viewed as [num_kv_heads * num_slots, head_dim] where the new
+        tokens' K/V go: head h's slots first, then head h + 1's (computed once per step)."""
+        key = (num_kv_heads, num_slots)
+        rows = self._slot_rows.get(key)
+        if rows is None:
+            rows = self._slot_rows[key] = head_major_rows(self.slot_mapping, num_kv_heads, num_slots)
+        return rows
