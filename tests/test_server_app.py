@@ -135,7 +135,8 @@ def test_failure_mid_stream_is_an_error_event(client, engine):
     assert r.status_code == 200
     events = sse_events(r.text.split("\n"))
     assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["code"] == 500 and "CUDA error" in events[-2]["error"]["message"]
+    assert events[-2]["error"]["code"] == 500 and "request id" in events[-2]["error"]["message"]
+    assert "CUDA error" not in events[-2]["error"]["message"]  # internal details go to the log only
     assert [e["choices"][0]["text"] for e in events[:-2]] == ["x", "x"]
     assert engine.closed  # the engine request was closed (aborted)
     engine.mode = "ok"

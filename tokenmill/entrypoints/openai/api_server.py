@@ -4,6 +4,9 @@ build_app(engine, settings) makes the app (tests and embedders can use it direct
 run_server(args) loads the model, then serves until SIGTERM / SIGINT: uvicorn stops taking
 connections and lets in-flight requests finish for up to --timeout-graceful-shutdown seconds,
 then cancels the rest (which aborts their engine requests), and the engine is shut down.
+
+What one client may ask for is bounded by ServerSettings (each a `tokenmill serve` option): n, prompt
+tokens, requests in flight (overall and per API key), and the chat template's render time and size.
 """
 
 from __future__ import annotations
@@ -27,15 +30,22 @@ import tokenmill
 from tokenmill.errors import TokenmillError
 from tokenmill.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
-from tokenmill.entrypoints.openai.chat_utils import normalize_messages, render_chat
-from tokenmill.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
+from tokenmill.entrypoints.openai.chat_utils import check_request_template, normalize_messages, render_chat_async
+from tokenmill.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N
 from tokenmill.entrypoints.openai.errors import (
     BadRequest,
     error_from_exception,
     error_response,
     install_exception_handlers,
+    request_id_of,
 )
-from tokenmill.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware
+from tokenmill.entrypoints.openai.http_protocol import json_error_http_protocol
+from tokenmill.entrypoints.openai.middleware import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    ConcurrencyLimitMiddleware,
+    RequestContextMiddleware,
+)
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,8 +55,10 @@ from tokenmill.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from tokenmill.entrypoints.openai.render_limits import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_MAX_RENDER_SECONDS, RenderLimits
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenmill.entrypoints.openai.serving_engine import ServingLimits
 from tokenmill.entrypoints.openai.serving_models import ServedModels
 from tokenmill.entrypoints.openai.streaming import run_until_disconnect
 
@@ -56,20 +68,37 @@ logger = logging.getLogger("tokenmill.server")
 @dataclass
 class ServerSettings:
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)  # empty: the API is open
     request_timeout: float | None = None  # seconds; None: no limit
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     access_log: bool = True
     shutdown_timeout: float = 0.0  # engine.shutdown(timeout) after uvicorn's own graceful wait
     own_engine_thread: bool = True  # False: run_server runs the engine loop on the main thread
+    # What one request may ask for (None: no limit)
+    max_n: int = DEFAULT_MAX_N
+    max_prompt_tokens: int | None = None
+    max_concurrent_requests: int | None = None
+    max_concurrent_requests_per_key: int | None = None  # per API key; per client address without keys
+    trust_request_chat_template: bool = False
+    max_chat_template_render_seconds: float | None = DEFAULT_MAX_RENDER_SECONDS
+    max_chat_template_output_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS
+
+    def serving_limits(self) -> ServingLimits:
+        return ServingLimits(
+            max_n=self.max_n,
+            max_prompt_tokens=self.max_prompt_tokens,
+            trust_request_chat_template=self.trust_request_chat_template,
+            render=RenderLimits(self.max_chat_template_render_seconds, self.max_chat_template_output_chars),
+        )
 
 
-async def _respond(handler: Awaitable[Response]) -> Response:
-    """Run a route's work; any failure becomes OpenAI error JSON (unexpected ones are logged with their traceback)."""
+async def _respond(handler: Awaitable[Response], request_id: str | None) -> Response:
+    """Run a route's work; any failure becomes OpenAI error JSON (unexpected ones are logged with their
+    traceback under the request id, which their body gives)."""
     try:
         return await handler
     except Exception as exc:  # noqa: BLE001 - every failure answers with error JSON; the server keeps going
-        body = error_from_exception(exc)
+        body = error_from_exception(exc, request_id)
         return JSONResponse(body, status_code=body["error"]["code"])
 
 
@@ -79,7 +108,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
     names = settings.served_model_names or [engine.model_name]
     models = ServedModels(names, engine.max_model_len, root=engine.model_name)
     metrics = ServerMetrics(names[0], engine.max_model_len, stats=engine.stats)
-    common = dict(metrics=metrics, request_timeout=settings.request_timeout)
+    limits = settings.serving_limits()
+    common = dict(metrics=metrics, request_timeout=settings.request_timeout, limits=limits)
     completions = OpenAIServingCompletion(engine, models, **common)
     chat = OpenAIServingChat(engine, models, **common)
 
@@ -104,22 +134,22 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
     # -- OpenAI routes --------------------------------------------------------------
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
-        return await run_until_disconnect(raw, _respond(completions.create(body, raw)))
+        return await run_until_disconnect(raw, _respond(completions.create(body, raw), request_id_of(raw)))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await run_until_disconnect(raw, _respond(chat.create(body, raw)))
+        return await run_until_disconnect(raw, _respond(chat.create(body, raw), request_id_of(raw)))
 
     @app.get("/v1/models")
     async def list_models() -> Response:
         return JSONResponse(models.list().model_dump())
 
     @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> Response:
+    async def get_model(model_id: str, raw: Request) -> Response:
         async def work() -> Response:
             return JSONResponse(models.card(models.resolve(model_id)).model_dump())
 
-        return await _respond(work())
+        return await _respond(work(), request_id_of(raw))
 
     # -- tokenmill / vLLM extras ----------------------------------------------------
     @app.get("/health")
@@ -141,7 +171,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> Response:
+    async def tokenize(body: TokenizeRequest, raw: Request) -> Response:
         async def work() -> Response:
             models.resolve(body.model)
             tokenizer = engine.tokenizer
@@ -150,14 +180,16 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
             if (body.prompt is None) == (body.messages is None):
                 raise BadRequest("give either prompt or messages", "prompt")
             if body.messages is not None:
+                check_request_template(body.chat_template, limits.trust_request_chat_template)
                 messages = normalize_messages(body.messages)
-                text = await asyncio.to_thread(
-                    render_chat, tokenizer, messages,
+                text = await render_chat_async(
+                    tokenizer, messages,
                     add_generation_prompt=body.add_generation_prompt,
                     continue_final_message=body.continue_final_message,
                     chat_template=body.chat_template,
                     chat_template_kwargs=body.chat_template_kwargs,
                     tools=body.tools,
+                    limits=limits.render,
                 )
                 add_special = bool(body.add_special_tokens)
             else:
@@ -169,10 +201,10 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
                 TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs).model_dump()
             )
 
-        return await _respond(work())
+        return await _respond(work(), request_id_of(raw))
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> Response:
+    async def detokenize(body: DetokenizeRequest, raw: Request) -> Response:
         async def work() -> Response:
             models.resolve(body.model)
             tokenizer = engine.tokenizer
@@ -184,12 +216,20 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
             text = await asyncio.to_thread(tokenizer.decode, body.tokens)
             return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
-        return await _respond(work())
+        return await _respond(work(), request_id_of(raw))
 
-    # Middlewares, innermost first: body limit, then the API key, then request ids and access logs.
+    # Middlewares, innermost first: body limit; requests in flight (counted from arrival, so a slow upload
+    # counts too); the API key (checked before a request counts against its key); request ids and access logs.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
-    if settings.api_key:
-        app.add_middleware(AuthMiddleware, api_key=settings.api_key)
+    if settings.max_concurrent_requests is not None or settings.max_concurrent_requests_per_key is not None:
+        app.add_middleware(
+            ConcurrencyLimitMiddleware,
+            max_total=settings.max_concurrent_requests,
+            max_per_key=settings.max_concurrent_requests_per_key,
+            by_api_key=bool(settings.api_keys),
+        )
+    if settings.api_keys:
+        app.add_middleware(AuthMiddleware, api_keys=settings.api_keys)
     app.add_middleware(RequestContextMiddleware, access_log=settings.access_log)
     return app
 
@@ -212,12 +252,19 @@ def run_server(args: argparse.Namespace) -> None:
     engine = AsyncLLMEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [default_served_name(args, engine)],
-        api_key=args.api_key,
+        api_keys=list(args.api_key or []),
         request_timeout=args.request_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
         access_log=not args.disable_access_log,
         shutdown_timeout=1.0,
         own_engine_thread=False,
+        max_n=args.max_n,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_chat_template_render_seconds=args.max_chat_template_render_seconds,
+        max_chat_template_output_chars=args.max_chat_template_output_chars,
     )
     app = build_app(engine, settings)
     config = uvicorn.Config(
@@ -229,6 +276,7 @@ def run_server(args: argparse.Namespace) -> None:
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
         timeout_keep_alive=5,
         lifespan="on",
+        http=json_error_http_protocol(),  # a request uvicorn cannot parse gets error JSON too
     )
     server = uvicorn.Server(config)
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from tokenmill.entrypoints.openai.render_limits import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_MAX_RENDER_SECONDS
+
 DEFAULT_MAX_BODY_BYTES = 10 << 20  # 10 MiB
+DEFAULT_MAX_N = 128  # OpenAI's own cap on n
 
 
 def _positive_float(text: str) -> float:
@@ -29,13 +32,20 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def api_keys_from_env(value: str | None) -> list[str] | None:
+    """$TOKENMILL_API_KEY: one key, or several separated by commas (None: no keys)."""
+    keys = [k.strip() for k in (value or "").split(",") if k.strip()]
+    return keys or None
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument(
-        "--api-key", default=os.environ.get("TOKENMILL_API_KEY") or None,
-        help="require 'Authorization: Bearer <key>' on the API routes (default: $TOKENMILL_API_KEY; none: open)",
+        "--api-key", nargs="+", default=api_keys_from_env(os.environ.get("TOKENMILL_API_KEY")), metavar="KEY",
+        help="require 'Authorization: Bearer <key>' on the API routes, any of these keys "
+        "(default: $TOKENMILL_API_KEY, comma-separated; none: open)",
     )
     g.add_argument(
         "--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -52,6 +62,34 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
         help=f"refuse larger request bodies with 413 (default: {DEFAULT_MAX_BODY_BYTES})",
+    )
+    g.add_argument(
+        "--max-n", type=_positive_int, default=DEFAULT_MAX_N,
+        help=f"refuse n or best_of above this with 400 (default: {DEFAULT_MAX_N}, OpenAI's cap)",
+    )
+    g.add_argument(
+        "--max-prompt-tokens", type=_positive_int, default=None, metavar="N",
+        help="refuse prompts (each of a list; a chat once rendered) of more tokens with 400 (default: the context length)",
+    )
+    g.add_argument(
+        "--max-concurrent-requests", type=_positive_int, default=None, metavar="N",
+        help="answer 429 (with Retry-After) to requests beyond this many in flight, streams included (default: no limit)",
+    )
+    g.add_argument(
+        "--max-concurrent-requests-per-key", type=_positive_int, default=None, metavar="N",
+        help="the same per API key, or per client address without --api-key (default: no limit)",
+    )
+    g.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="accept a chat_template sent with a request (it is code the server runs; default: refused with 400)",
+    )
+    g.add_argument(
+        "--max-chat-template-render-seconds", type=_positive_float, default=DEFAULT_MAX_RENDER_SECONDS, metavar="SECONDS",
+        help=f"stop a chat template render that runs longer, with 400 (default: {DEFAULT_MAX_RENDER_SECONDS:g})",
+    )
+    g.add_argument(
+        "--max-chat-template-output-chars", type=_positive_int, default=DEFAULT_MAX_OUTPUT_CHARS, metavar="N",
+        help=f"stop a chat template render that writes more characters, with 400 (default: {DEFAULT_MAX_OUTPUT_CHARS})",
     )
     g.add_argument(
         "--timeout-graceful-shutdown", type=_non_negative_float, default=10.0, metavar="SECONDS",

@@ -1,8 +1,9 @@
 """Every failure as OpenAI's error JSON: {"error": {"message", "type", "param", "code"}} with its HTTP status.
 
 400 bad parameters / prompt too long / invalid JSON, 401 API key, 404 unknown model or route,
-413 body too large, 503 queue full or engine dead, 504 request timeout, 500 anything unexpected
-(logged with its traceback; the server keeps running).
+413 body too large, 429 too many requests in flight, 503 queue full or engine dead, 504 request
+timeout, 500 anything unexpected: a bug. A 500's body carries the request id and no internals; the
+log line with the traceback carries the same id, so a client's report leads to it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
+from starlette.requests import HTTPConnection
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,6 +31,7 @@ _TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
     504: "TimeoutError",
@@ -116,15 +119,44 @@ def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
         return 504, _TYPES[504], "the request timed out", None
     if isinstance(exc, StarletteHTTPException):
         status = exc.status_code
-        return status, _TYPES.get(status, "Error"), str(exc.detail), None
-    return 500, _TYPES[500], f"internal server error ({type(exc).__name__}: {exc})", None
+        return status, _TYPES.get(status, "Error"), _http_exception_message(exc), None
+    return 500, _TYPES[500], "internal server error", None
 
 
-def error_from_exception(exc: BaseException) -> dict[str, Any]:
+def _http_exception_message(exc: StarletteHTTPException) -> str:
+    """FastAPI answers a body that json.loads itself fails on (not a JSONDecodeError) with a vague 400: say why."""
+    cause = exc.__cause__
+    if exc.status_code != 400 or cause is None:
+        return str(exc.detail)
+    if isinstance(cause, RecursionError):
+        return "the request body is nested too deeply to parse"
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid UTF-8: {cause}"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return "the request body holds an integer with thousands of digits; integers must fit in 64 bits"
+    return str(exc.detail)
+
+
+def request_id_of(conn: HTTPConnection | None) -> str | None:
+    """The id RequestContextMiddleware gave this request (None outside a request)."""
+    if conn is None:
+        return None
+    return conn.scope.get("state", {}).get("request_id")
+
+
+def error_from_exception(exc: BaseException, request_id: str | None = None) -> dict[str, Any]:
+    """The error body for any exception. An unexpected one (a bug) is logged with its traceback under the
+    request id; its body gives that id and nothing of the exception, whose text may hold internals."""
     status, type_, message, param = classify(exc)
-    if status >= 500 and not isinstance(exc, (OpenAIError, EngineOverloadedError, EngineDeadError)):
-        logger.error("unexpected error", exc_info=(type(exc), exc, exc.__traceback__))
+    if status >= 500 and not isinstance(exc, (OpenAIError, EngineOverloadedError, EngineDeadError, StarletteHTTPException)):
+        logger.error("internal server error; request id %s", request_id or "-", exc_info=(type(exc), exc, exc.__traceback__))
+        where = f"; request id {request_id}" if request_id else ""
+        message = f"internal server error{where} (see the server log)"
     return error_body(status, message, type_, param)
+
+
+# The pydantic error type of a request body that fails the checks of body_checks.py.
+INVALID_BODY = "invalid_request_body"
 
 
 def validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -134,6 +166,9 @@ def validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     first = errors[0]
     loc = [x for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == INVALID_BODY:  # found by the walk over the whole body (protocol.py)
+        ctx = first.get("ctx") or {}
+        return str(ctx.get("message") or first.get("msg")), ctx.get("param")
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return f"the request body is not valid JSON: {detail}".rstrip(": "), None
@@ -156,7 +191,7 @@ def install_exception_handlers(app: FastAPI) -> None:
         return error_response(400, message, param=param)
 
     async def on_any(request: Request, exc: Exception) -> JSONResponse:
-        body = error_from_exception(exc)
+        body = error_from_exception(exc, request_id_of(request))
         return JSONResponse(body, status_code=body["error"]["code"])
 
     app.add_exception_handler(RequestValidationError, on_validation)

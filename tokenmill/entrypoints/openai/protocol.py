@@ -1,8 +1,10 @@
 """The OpenAI API's request and response shapes as pydantic models, with vLLM's extra sampling fields.
 
 Unknown request fields are accepted and ignored with a warning (as vLLM does); a known field with an
-invalid value is a 400 that names the field. `to_sampling_params` turns a request into
-tokenmill.SamplingParams (OpenAI names and vLLM names alike).
+invalid value is a 400 that names the field. Every request body is first walked once as parsed JSON
+(body_checks.py): text that is not valid Unicode, nesting too deep, or integers beyond 64 bits are a
+400. `to_sampling_params` turns a request into tokenmill.SamplingParams (OpenAI names and vLLM names
+alike).
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
-from tokenmill.entrypoints.openai.errors import BadRequest
+from tokenmill.entrypoints.openai.body_checks import find_body_problem
+from tokenmill.entrypoints.openai.errors import INVALID_BODY, BadRequest
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,19 @@ class OpenAIBaseModel(BaseModel):
 # ---------------------------------------------------------------- requests
 
 
+class RequestBody(OpenAIBaseModel):
+    """A request body: checked as a whole before its fields are (once: nested models don't repeat it)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_body(cls, data: Any) -> Any:
+        problem = find_body_problem(data)
+        if problem is not None:
+            # A custom error type, so that the server's 400 keeps this message and names the field.
+            raise PydanticCustomError(INVALID_BODY, "{message}", {"message": problem.message, "param": problem.param})
+        return data
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
@@ -57,7 +74,7 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingRequest(OpenAIBaseModel):
+class _SamplingRequest(RequestBody):
     """Fields completions and chat share: OpenAI's sampling parameters and vLLM's extras."""
 
     model: str | None = None
@@ -219,6 +236,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None  # OpenAI's older name of tools
+    function_call: str | dict[str, Any] | None = None
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -233,8 +252,15 @@ class ChatCompletionRequest(_SamplingRequest):
             raise BadRequest("messages must not be empty", "messages")
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
-        if self.tool_choice not in (None, "none") and self.tools:
-            raise BadRequest("tool calling is not supported: tool_choice must be 'none'", "tool_choice")
+        # Refused rather than ignored: a client that sends tools expects tool calls back (as vLLM refuses
+        # what it cannot honour). tool_choice "none" asks for none, and the tools still reach the template.
+        if self.tools and self.tool_choice != "none":
+            raise BadRequest(
+                "tool calling is not supported by this server: send tool_choice 'none' to pass tools to the "
+                "chat template only", "tools",
+            )
+        if self.functions and self.function_call != "none":
+            raise BadRequest("function calling is not supported by this server", "functions")
         if self.echo:
             raise BadRequest("echo is not supported for chat completions", "echo")
         if self.continue_final_message and self.add_generation_prompt:
@@ -251,7 +277,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return SamplingParams(**kw)
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestBody):
     """/tokenize: a prompt (completions style) or messages (chat style)."""
 
     model: str | None = None
@@ -266,7 +292,7 @@ class TokenizeRequest(OpenAIBaseModel):
     return_token_strs: bool | None = False
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

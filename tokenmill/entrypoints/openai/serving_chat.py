@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -12,8 +11,8 @@ from starlette.responses import Response
 
 from tokenmill.outputs import RequestOutput
 
-from tokenmill.entrypoints.openai.chat_utils import normalize_messages, render_chat
-from tokenmill.entrypoints.openai.errors import BadRequest, error_from_exception
+from tokenmill.entrypoints.openai.chat_utils import check_request_template, normalize_messages, render_chat_async
+from tokenmill.entrypoints.openai.errors import BadRequest, error_from_exception, request_id_of
 from tokenmill.entrypoints.openai.logprobs import TokenTexts, chat_logprobs, prompt_logprobs_json
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -36,9 +35,9 @@ _RENAMES = {"logprobs": "top_logprobs"}
 class OpenAIServingChat(OpenAIServing):
     async def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt text from the chat template and its token ids (blocking work in a thread)."""
+        check_request_template(request.chat_template, self.limits.trust_request_chat_template)
         messages = normalize_messages(request.messages)
-        text = await asyncio.to_thread(
-            render_chat,
+        text = await render_chat_async(
             self.tokenizer,
             messages,
             add_generation_prompt=request.add_generation_prompt,
@@ -47,12 +46,14 @@ class OpenAIServingChat(OpenAIServing):
             chat_template_kwargs=request.chat_template_kwargs,
             tools=request.tools,
             documents=request.documents,
+            limits=self.limits.render,
         )
         # The template already holds the special tokens (BOS and the like): don't add them twice.
         return text, await self.encode(text, request.add_special_tokens, "messages")
 
     async def create(self, request: ChatCompletionRequest, raw: Request | None = None) -> Response:
         request.check()
+        self.check_fanout(request.n, request.best_of)
         model = self.models.resolve(request.model)
         text, ids = await self.render(request)
         prompt: dict = {"prompt": text, "prompt_token_ids": ids}
@@ -160,7 +161,7 @@ class OpenAIServingChat(OpenAIServing):
                 except StopAsyncIteration:
                     out = None
         except Exception as exc:  # after the first byte the status is sent: the error goes in the stream
-            yield sse(error_from_exception(exc))
+            yield sse(error_from_exception(exc, request_id_of(raw)))
             yield DONE
             return
         finally:

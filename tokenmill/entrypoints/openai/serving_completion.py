@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
 
-from tokenmill.entrypoints.openai.errors import BadRequest, error_from_exception
+from tokenmill.entrypoints.openai.errors import BadRequest, error_from_exception, request_id_of
 from tokenmill.entrypoints.openai.logprobs import TokenTexts, completion_logprobs, prompt_logprobs_json
 from tokenmill.entrypoints.openai.protocol import (
     CompletionRequest,
@@ -37,6 +37,7 @@ class _Prompt:
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest, raw: Request | None = None) -> Response:
         request.check()
+        self.check_fanout(request.n, request.best_of)
         model = self.models.resolve(request.model)
         prompts: list[_Prompt] = []
         for i, p in enumerate(request.prompts()):
@@ -157,7 +158,7 @@ class OpenAIServingCompletion(OpenAIServing):
         except StopAsyncIteration:
             pass
         except Exception as exc:  # after the first byte the status is sent: the error goes in the stream
-            yield sse(error_from_exception(exc))
+            yield sse(error_from_exception(exc, request_id_of(raw)))
             yield DONE
             return
         finally:

@@ -9,6 +9,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -18,10 +19,22 @@ from tokenmill.metrics import RequestTracker, ServerMetrics
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
+from tokenmill.entrypoints.openai.cli_args import DEFAULT_MAX_N
 from tokenmill.entrypoints.openai.errors import BadRequest, RequestTimeout, ServiceUnavailable, guess_param
+from tokenmill.entrypoints.openai.render_limits import RenderLimits
 from tokenmill.entrypoints.openai.serving_models import ServedModels
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """What the operator lets one request ask for (each a server option; see cli_args.py)."""
+
+    max_n: int = DEFAULT_MAX_N  # n and best_of
+    max_prompt_tokens: int | None = None  # None: only the context length limits a prompt
+    trust_request_chat_template: bool = False
+    render: RenderLimits = field(default_factory=RenderLimits)
 
 
 class EngineRequest:
@@ -153,11 +166,12 @@ async def stream_outputs(requests: list[EngineRequest], deadline: float | None) 
 
 class OpenAIServing:
     def __init__(self, engine: Any, models: ServedModels, metrics: ServerMetrics | None = None,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, limits: ServingLimits | None = None) -> None:
         self.engine = engine
         self.models = models
         self.metrics = metrics
         self.request_timeout = request_timeout
+        self.limits = limits or ServingLimits()
         self._counter = itertools.count()
 
     @property
@@ -190,9 +204,24 @@ class OpenAIServing:
             raise BadRequest("this model was loaded without a tokenizer: send the prompt as token ids", param)
         return await asyncio.to_thread(lambda: list(tokenizer.encode(text, add_special_tokens=add_special_tokens)))
 
+    def check_fanout(self, n: int | None, best_of: int | None) -> None:
+        """n and best_of within --max-n: each sequence costs engine work and output (checked before any)."""
+        cap = self.limits.max_n
+        for name, value in (("n", n), ("best_of", best_of)):
+            if value is not None and value > cap:
+                raise BadRequest(f"{name} must be at most {cap} on this server (its --max-n), got {value}", name)
+
     def check_length(self, num_prompt_tokens: int, requested: int | None, default: int | None,
                      what: str = "prompt", param: str = "max_tokens") -> int:
-        """The max_tokens to run with; a prompt (plus max_tokens) longer than the context is a 400 (vLLM's message)."""
+        """The max_tokens to run with; a prompt (plus max_tokens) longer than the context is a 400 (vLLM's
+        message), and so is a prompt over the server's --max-prompt-tokens."""
+        cap = self.limits.max_prompt_tokens
+        if cap is not None and num_prompt_tokens > cap:
+            raise BadRequest(
+                f"the {'rendered chat' if what == 'messages' else 'prompt'} has {num_prompt_tokens} tokens, more than "
+                f"this server's limit of {cap} (its --max-prompt-tokens)",
+                "messages" if what == "messages" else "prompt",
+            )
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
             raise BadRequest(
