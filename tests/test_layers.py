@@ -14,7 +14,7 @@ from tokenmill.config import cpu_has_native_bf16, resolve_dtype
 from tokenmill.engine.messages import ScheduledChunk
 from tokenmill.kernels.cpu import cpu_kernels_available
 from tokenmill.layers.attention import Attention, CpuPagedAttention, TorchPagedAttention
-from tokenmill.layers.linear import PackedCPUWeight, cpu_packed_weights_supported
+from tokenmill.layers.quantization import PackedCPUWeight, cpu_packed_weights_supported
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.batch import build_batch_inputs
 

@@ -1,32 +1,48 @@
-"""Token embedding and LM head (which may share the embedding's weight)."""
+"""Token embedding and LM head, their weights held by a method from the quantization config (by prefix)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.linear import PackedCPUWeight, copy_checked
+from tokenmill.layers.build_context import ModelBuildContext
+from tokenmill.layers.linear import copy_checked
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, ctx: ModelBuildContext | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        ctx = ctx or ModelBuildContext()
+        self.prefix = prefix
+        self.method = ctx.quant_config.embedding_method(prefix)
+        self.method.create_weights(self, num_embeddings, embedding_dim, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        copy_checked(param, loaded, type(self).__name__)
+        copy_checked(param, loaded, self.prefix or type(self).__name__)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        return self.method.embedding(self, input_ids)
 
 
-class LMHead(VocabEmbedding):
+class LMHead(nn.Module):
+    """Logits = hidden @ W^T. Tied to an embedding, it reads the embedding's weight (loaded once)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, ctx: ModelBuildContext | None = None,
+                 prefix: str = "lm_head", tied_to: VocabEmbedding | None = None) -> None:
+        super().__init__()
+        ctx = ctx or ModelBuildContext()
+        self.prefix = prefix
+        self.method = ctx.quant_config.embedding_method(prefix)
+        self.tied = tied_to is not None
+        if tied_to is None:
+            self.method.create_weights(self, num_embeddings, embedding_dim, self.weight_loader)
+        else:
+            # The same Parameter: named_parameters() lists it once, under the embedding's name.
+            self.weight = tied_to.weight
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        copy_checked(param, loaded, self.prefix)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
-
-
-def project_logits(hidden: torch.Tensor, weight: torch.Tensor, packed: PackedCPUWeight | None) -> torch.Tensor:
-    """Float32 logits from the LM head weight, or from its prepacked copy (CPU bf16)."""
-    return (packed(hidden) if packed is not None else F.linear(hidden, weight)).float()
+        """Float32 logits."""
+        return self.method.apply(self, hidden).float()

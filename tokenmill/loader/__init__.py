@@ -10,13 +10,8 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
-from tokenmill.layers.linear import (
-    Linear,
-    PackedCPULinearMethod,
-    PackedCPUWeight,
-    UnquantizedLinearMethod,
-    cpu_packed_weights_supported,
-)
+from tokenmill.layers.build_context import ModelBuildContext
+from tokenmill.layers.quantization import QuantizationConfig, UnquantizedConfig
 from tokenmill.loader.default_model import default_model_path
 from tokenmill.loader.gguf_file import load_gguf_source
 from tokenmill.loader.hf import load_hf_source
@@ -54,22 +49,22 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, max_position: int) -> nn.Module:
+def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, max_position: int,
+                quant_config: QuantizationConfig | None = None) -> nn.Module:
+    """The model on its device: constructed from one ModelBuildContext, weights loaded, then each
+    layer's method turns its loaded parameters into what it computes with."""
+    ctx = ModelBuildContext(
+        hf_config=source.hf_config,
+        quant_config=quant_config or UnquantizedConfig(device, dtype),
+        max_position=max_position,
+        rope_freq_factors=source.rope_freq_factors,
+    )
     model_class = get_model_class(source.hf_config)
     with _default_dtype(dtype), device:
-        model = model_class(source.hf_config, max_position, source.rope_freq_factors)
+        model = model_class(ctx)
     model.load_weights(source.weights())
-    prepare_weights_for_device(model, device, dtype)
-    return model.eval()
-
-
-def prepare_weights_for_device(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """After loading: the layouts that make the device fast (on CPU bf16, oneDNN-prepacked linear weights)."""
-    if cpu_packed_weights_supported(device, dtype):
-        for module in model.modules():
-            if isinstance(module, Linear) and type(module.method) is UnquantizedLinearMethod:
-                module.method = PackedCPULinearMethod()
-        model.packed_lm_head = PackedCPUWeight(model.lm_head_weight().data)
     for module in model.modules():
-        if isinstance(module, Linear):
-            module.method.process_weights_after_loading(module)
+        method = getattr(module, "method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    return model.eval()

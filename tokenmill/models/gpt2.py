@@ -9,7 +9,8 @@ from torch import nn
 
 from tokenmill.layers.activation import get_activation
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.embedding import VocabEmbedding, project_logits
+from tokenmill.layers.build_context import ModelBuildContext, join_prefix
+from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import LayerNorm
 from tokenmill.models.weights import load_named_weights
@@ -20,16 +21,17 @@ _CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weig
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, ctx: ModelBuildContext, layer_idx: int, prefix: str) -> None:
         super().__init__()
+        config = ctx.hf_config
         hidden = config.n_embd
         self.num_heads = config.n_head
         head_dim = hidden // self.num_heads
         scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= layer_idx + 1
-        self.c_attn = Linear(hidden, 3 * hidden, bias=True)
-        self.c_proj = Linear(hidden, hidden, bias=True)
+        self.c_attn = Linear(hidden, 3 * hidden, bias=True, ctx=ctx, prefix=join_prefix(prefix, "c_attn"))
+        self.c_proj = Linear(hidden, hidden, bias=True, ctx=ctx, prefix=join_prefix(prefix, "c_proj"))
         self.attn = Attention(self.num_heads, head_dim, self.num_heads, scale)
 
     def forward(self, hidden: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
@@ -38,11 +40,12 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, ctx: ModelBuildContext, prefix: str) -> None:
         super().__init__()
+        config = ctx.hf_config
         inner = config.n_inner or 4 * config.n_embd
-        self.c_fc = Linear(config.n_embd, inner, bias=True)
-        self.c_proj = Linear(inner, config.n_embd, bias=True)
+        self.c_fc = Linear(config.n_embd, inner, bias=True, ctx=ctx, prefix=join_prefix(prefix, "c_fc"))
+        self.c_proj = Linear(inner, config.n_embd, bias=True, ctx=ctx, prefix=join_prefix(prefix, "c_proj"))
         self.act = get_activation(config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,12 +53,13 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, ctx: ModelBuildContext, layer_idx: int, prefix: str) -> None:
         super().__init__()
+        config = ctx.hf_config
         self.ln_1 = LayerNorm(config.n_embd, config.layer_norm_epsilon)
-        self.attn = GPT2Attention(config, layer_idx)
+        self.attn = GPT2Attention(ctx, layer_idx, join_prefix(prefix, "attn"))
         self.ln_2 = LayerNorm(config.n_embd, config.layer_norm_epsilon)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(ctx, join_prefix(prefix, "mlp"))
 
     def forward(self, hidden: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         hidden = hidden + self.attn(self.ln_1(hidden), batch)
@@ -63,11 +67,12 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, ctx: ModelBuildContext, prefix: str = "transformer") -> None:
         super().__init__()
-        self.wte = VocabEmbedding(config.vocab_size, config.n_embd)
-        self.wpe = VocabEmbedding(config.n_positions, config.n_embd)
-        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.n_layer))
+        config = ctx.hf_config
+        self.wte = VocabEmbedding(config.vocab_size, config.n_embd, ctx=ctx, prefix=join_prefix(prefix, "wte"))
+        self.wpe = VocabEmbedding(config.n_positions, config.n_embd, ctx=ctx, prefix=join_prefix(prefix, "wpe"))
+        self.h = nn.ModuleList(GPT2Block(ctx, i, join_prefix(prefix, f"h.{i}")) for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
@@ -78,21 +83,18 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-    def __init__(self, config, max_position: int, rope_freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(self, ctx: ModelBuildContext) -> None:
         super().__init__()
-        self.config = config
-        self.transformer = GPT2Model(config)
+        self.config = ctx.hf_config
+        self.transformer = GPT2Model(ctx, "transformer")
+        # GPT-2 always ties the LM head to the token embedding.
+        self.lm_head = LMHead(self.config.vocab_size, self.config.n_embd, ctx=ctx, prefix="lm_head", tied_to=self.transformer.wte)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         return self.transformer(input_ids, positions, batch)
 
-    packed_lm_head = None  # set by the loader where prepacked weights pay (CPU bf16)
-
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.transformer.wte.weight  # GPT-2 always ties the LM head
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return project_logits(hidden, self.lm_head_weight(), self.packed_lm_head)
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:

@@ -10,7 +10,8 @@ from torch import nn
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.embedding import LMHead, VocabEmbedding, project_logits
+from tokenmill.layers.build_context import ModelBuildContext, join_prefix
+from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
@@ -31,16 +32,19 @@ def sliding_window_for_layer(config, layer_idx: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, ctx: ModelBuildContext, layer_idx: int, prefix: str) -> None:
         super().__init__()
+        config = ctx.hf_config
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         is_qwen2 = config.model_type == "qwen2"  # Qwen2: bias on q/k/v only
-        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=attention_bias or is_qwen2)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=attention_bias and not is_qwen2)
+        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=attention_bias or is_qwen2,
+                                  ctx=ctx, prefix=join_prefix(prefix, "qkv_proj"))
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=attention_bias and not is_qwen2,
+                             ctx=ctx, prefix=join_prefix(prefix, "o_proj"))
         self.q_norm = self.k_norm = None
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -61,13 +65,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, ctx: ModelBuildContext, prefix: str) -> None:
         super().__init__()
+        config = ctx.hf_config
         if config.hidden_act != "silu":
             raise ModelLoadError(f"hidden_act {config.hidden_act!r} is not supported for {config.model_type}; only 'silu'")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+                                         ctx=ctx, prefix=join_prefix(prefix, "gate_up_proj"))
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, ctx=ctx, prefix=join_prefix(prefix, "down_proj"))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,12 +81,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, ctx: ModelBuildContext, layer_idx: int, prefix: str) -> None:
         super().__init__()
+        config = ctx.hf_config
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx)
+        self.self_attn = LlamaAttention(ctx, layer_idx, join_prefix(prefix, "self_attn"))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(ctx, join_prefix(prefix, "mlp"))
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: BatchInputs
@@ -96,14 +103,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, max_position: int, rope_freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(self, ctx: ModelBuildContext, prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        config = ctx.hf_config
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx=ctx, prefix=join_prefix(prefix, "embed_tokens"))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(ctx, i, join_prefix(prefix, f"layers.{i}")) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
         # One rotary table for all layers; cos/sin are gathered once per forward.
-        self.rotary_emb = RotaryEmbedding(config, head_dim, max_position, rope_freq_factors)
+        self.rotary_emb = RotaryEmbedding(config, head_dim, ctx.max_position or config.max_position_embeddings, ctx.rope_freq_factors)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -123,23 +133,19 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, max_position: int, rope_freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(self, ctx: ModelBuildContext) -> None:
         super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, max_position, rope_freq_factors)
+        config = self.config = ctx.hf_config
+        self.model = LlamaModel(ctx, "model")
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else LMHead(config.vocab_size, config.hidden_size)
+        tied = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, ctx=ctx, prefix="lm_head", tied_to=tied)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
 
-    packed_lm_head = None  # set by the loader where prepacked weights pay (CPU bf16)
-
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return project_logits(hidden, self.lm_head_weight(), self.packed_lm_head)
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         ignore = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())

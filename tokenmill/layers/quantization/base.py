@@ -1,0 +1,55 @@
+"""The interfaces a quantization method implements (vLLM's shape: create_weights, process_weights_after_loading, apply)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+WeightLoader = Callable[..., None]  # (param, loaded tensor, shard_id=None) -> None
+
+
+class LinearMethodBase:
+    """How a linear layer holds its weight and computes y = x W^T + b."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
+        """Register the layer's parameters. Each gets `weight_loader` and `output_dim` (the axis that
+        holds output channels), so a fused layer (QKV, gate-up) loads shard by shard whatever the format."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn the loaded parameters into what apply() reads (repack, transpose, quantize...)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class EmbeddingMethodBase:
+    """How a token embedding or an LM head holds its [vocab, hidden] weight."""
+
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int, weight_loader: WeightLoader) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight: the input embedding."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden @ weight^T: the LM head's logits (in the model dtype)."""
+        raise NotImplementedError
+
+
+class QuantizationConfig:
+    """Picks each layer's method by its prefix (e.g. `model.layers.3.mlp.gate_up_proj`, `lm_head`)."""
+
+    name = "none"
+
+    def linear_method(self, prefix: str) -> LinearMethodBase:
+        raise NotImplementedError
+
+    def embedding_method(self, prefix: str) -> EmbeddingMethodBase:
+        raise NotImplementedError
