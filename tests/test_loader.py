@@ -26,6 +26,12 @@ from tokenmill.models.registry import supported_architectures
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
+@pytest.fixture(autouse=True)
+def _private_gguf_cache(tmp_path_factory, monkeypatch):
+    """The GGUF files these tests write are converted into a cache of their own, not the user's."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path_factory.mktemp("tokenmill-cache")))
+
+
 def tm_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
 
@@ -330,6 +336,28 @@ def write_gguf(hf_folder: str, out: Path, quant: QT | None = None) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _greedy(path: Path, **kw) -> list[int]:
+    llm = LLM(model=str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64, **kw)
+    out = llm.generate([{"prompt_token_ids": [5, 9, 2, 77, 31]}], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("max_bytes", [None, "0"], ids=["weights-cached", "too-big-to-cache"])
+def test_a_gguf_is_converted_once_and_later_starts_skip_the_gguf_reader(tmp_path, tiny_model_factory, monkeypatch, max_bytes):
+    if max_bytes is not None:
+        monkeypatch.setenv("TOKENMILL_GGUF_CACHE_MAX_BYTES", max_bytes)
+    path = write_gguf(tiny_model_factory("llama3_rope"), tmp_path / "m.gguf", quant=QT.Q8_0)
+    first = _greedy(path)
+    reads = []
+    real_reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: reads.append(a) or real_reader(*a, **k))
+    assert _greedy(path) == first  # the converted copy computes exactly what the file does
+    assert len(reads) == (0 if max_bytes is None else 1)  # a too-big model still reads its tensors from the file
+    before = len(reads)
+    os.utime(path, ns=(1, 1))  # an edited file (another mtime) is converted again
+    assert _greedy(path) == first and len(reads) > before
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa_tied", "llama_linear_rope", "llama3_rope", "llama_bias", "qwen2", "qwen3", "gpt2"])

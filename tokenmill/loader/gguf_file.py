@@ -3,10 +3,12 @@ template through transformers' GGUF support, weights dequantized to HF names and
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterable
 
@@ -149,10 +151,29 @@ def _hf_config(meta: _Metadata, arch: str, tensors: dict, tokenizer_ids: dict):
 
 
 def load_gguf_source(path: str, tokenizer_path: str | None = None, skip_tokenizer_init: bool = False) -> ModelSource:
-    from gguf import GGUFReader
+    """A GGUF file as a ModelSource, through a converted copy kept in a per-file cache.
 
+    Reading a GGUF's metadata (tens of thousands of vocabulary entries, parsed in Python by the
+    `gguf` package) and dequantizing its tensors takes seconds on every start; the converted
+    model (an HF folder: config.json, the dequantized weights as safetensors in HF layout, the
+    tokenizer) loads in a fraction of a second, memory-mapped. The first start converts and
+    publishes the folder by an atomic rename; later starts load it. The cache is keyed by the
+    file's path, size and modification time, so an edited file is converted again."""
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path}: no such GGUF file")
+    cache = _cache_dir(path)
+    if not os.path.isfile(os.path.join(cache, _DONE)):
+        _convert(path, cache)
+    return _load_converted(path, cache, tokenizer_path, skip_tokenizer_init)
+
+
+_DONE = "tokenmill-gguf.json"  # written last: its presence means the folder is complete
+_ROPE_FREQS = "rope_freqs.npy"  # llama.cpp's baked Llama 3 RoPE factors (not a safetensors file: not a weight)
+
+
+def _read(path: str):
+    from gguf import GGUFReader
+
     try:
         reader = GGUFReader(path)
     except Exception as exc:
@@ -164,86 +185,121 @@ def load_gguf_source(path: str, tokenizer_path: str | None = None, skip_tokenize
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path} holds no token_embd.weight tensor (a vocab-only GGUF?)")
+    return reader, meta, arch, tensors
+
+
+def _hf_weights(reader, arch: str, config) -> Iterable[tuple[str, torch.Tensor]]:
+    """The GGUF's tensors dequantized, under HF names and in HF layout."""
+    _, _, names = _ARCHS[arch]
+    permuted = arch in ("llama", "mistral")  # llama.cpp permutes q/k rows only for these
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name, names)
+        if name is None:
+            continue
+        weight = torch.from_numpy(dequantize_tensor(tensor))
+        # convert_hf_to_gguf permutes the q/k biases along with the weights.
+        if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            weight = unpermute_qk(weight, config.num_attention_heads)
+        elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            weight = unpermute_qk(weight, config.num_key_value_heads)
+        elif arch == "gpt2" and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+            weight = weight.t()  # back to HF's Conv1D layout; the model transposes on load
+        yield name, weight.contiguous()
+
+
+def _convert(path: str, cache: str) -> None:
+    """Convert the GGUF into an HF folder at `cache` (written aside, then renamed into place)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    reader, meta, arch, tensors = _read(path)
     tokenizer_ids = {
         key: int(meta.get(f"tokenizer.ggml.{key}"))
         for key in ("bos_token_id", "eos_token_id", "pad_token_id")
         if meta.get(f"tokenizer.ggml.{key}") is not None
     }
     config = _hf_config(meta, arch, tensors, tokenizer_ids)
-    _, _, names = _ARCHS[arch]
-    permuted = arch in ("llama", "mistral")  # llama.cpp permutes q/k rows only for these
+    logger.warning("converting %s for tokenmill (once per file; later starts load the converted copy)", path)
+    parent = os.path.dirname(cache)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".converting-")
+    numel = sum(int(np.prod(t.shape)) for t in reader.tensors if _hf_name(t.name, _ARCHS[arch][2]) is not None)
+    keep_weights = numel * 4 <= _max_cached_weight_bytes()
+    try:
+        config.save_pretrained(tmp)
+        if keep_weights:
+            save_file(dict(_hf_weights(reader, arch, config)), os.path.join(tmp, "model.safetensors"))
+        if "rope_freqs.weight" in tensors:
+            np.save(os.path.join(tmp, _ROPE_FREQS), dequantize_tensor(tensors["rope_freqs.weight"]).reshape(-1))
+        try:
+            _gguf_tokenizer(path).save_pretrained(tmp)
+        except ModelLoadError as exc:  # the model still runs on token ids
+            logger.warning("%s", exc)
+        eos = eos_ids_from(
+            tokenizer_ids.get("eos_token_id"),
+            meta.get("tokenizer.ggml.eot_token_id"),
+            meta.get("tokenizer.ggml.eom_token_id"),
+        )
+        with open(os.path.join(tmp, _DONE), "w") as f:
+            json.dump({"source": os.path.abspath(path), "eos_token_ids": sorted(eos), "weights_cached": keep_weights}, f)
+        try:
+            os.replace(tmp, cache)
+        except OSError:  # another process published it first: theirs is as good
+            if not os.path.isfile(os.path.join(cache, _DONE)):
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
 
-    def weights() -> Iterable[tuple[str, torch.Tensor]]:
-        for tensor in reader.tensors:
-            name = _hf_name(tensor.name, names)
-            if name is None:
-                continue
-            weight = torch.from_numpy(dequantize_tensor(tensor))
-            # convert_hf_to_gguf permutes the q/k biases along with the weights.
-            if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-                weight = unpermute_qk(weight, config.num_attention_heads)
-            elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-                weight = unpermute_qk(weight, config.num_key_value_heads)
-            elif arch == "gpt2" and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
-                weight = weight.t()  # back to HF's Conv1D layout; the model transposes on load
-            yield name, weight
 
-    freq_factors = None
-    if "rope_freqs.weight" in tensors:
-        freq_factors = torch.from_numpy(dequantize_tensor(tensors["rope_freqs.weight"]).reshape(-1))
+def _load_converted(path: str, cache: str, tokenizer_path: str | None, skip_tokenizer_init: bool) -> ModelSource:
+    import json
 
-    tokenizer = None
-    if tokenizer_path is not None and not skip_tokenizer_init:
-        from tokenmill.loader.hf import load_tokenizer
+    from tokenmill.loader.hf import load_hf_source
 
-        tokenizer = load_tokenizer(tokenizer_path)
-    elif not skip_tokenizer_init:
-        tokenizer = _gguf_tokenizer(path)
-    eos = eos_ids_from(
-        tokenizer_ids.get("eos_token_id"),
-        meta.get("tokenizer.ggml.eot_token_id"),
-        meta.get("tokenizer.ggml.eom_token_id"),
-    )
-    return ModelSource(
+    with open(os.path.join(cache, _DONE)) as f:
+        done = json.load(f)
+    if tokenizer_path is None and not skip_tokenizer_init and not os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
+        raise ModelLoadError(f"cannot build a tokenizer from the GGUF file {path}; give --tokenizer, or use token ids only")
+    if done["weights_cached"]:
+        source = load_hf_source(cache, tokenizer_path or cache, skip_tokenizer_init)
+    else:  # too big to keep dequantized: the config and tokenizer from the cache, the weights from the file
+        source = load_hf_source(cache, tokenizer_path or cache, skip_tokenizer_init, weights_required=False)
+        reader, _, arch, _ = _read(path)
+        source = dataclasses.replace(source, weights=lambda: _hf_weights(reader, arch, source.hf_config))
+    freqs_path = os.path.join(cache, _ROPE_FREQS)
+    freq_factors = torch.from_numpy(np.load(freqs_path)) if os.path.isfile(freqs_path) else None
+    return dataclasses.replace(
+        source,
         name=path,
-        hf_config=config,
-        weights=weights,
-        tokenizer=tokenizer,
-        eos_token_ids=eos,
+        eos_token_ids=set(done["eos_token_ids"]),
         checkpoint_dtype=torch.bfloat16,
         rope_freq_factors=freq_factors,
     )
 
 
-def _tokenizer_cache_dir(path: str) -> str:
-    """A per-file cache folder: converting a GGUF vocabulary takes seconds, loading the result does not."""
+def _max_cached_weight_bytes() -> int:
+    """Models whose dequantized float32 weights are larger are not kept dequantized on disk (a 7B
+    model would take 28 GB): they dequantize from the file at every start instead."""
+    return int(float(os.environ.get("TOKENMILL_GGUF_CACHE_MAX_BYTES", 4 << 30)))
+
+
+def _cache_dir(path: str) -> str:
+    """The converted copy's folder: one per file version (path, size, modification time)."""
     stat = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill"
     )
-    return os.path.join(root, "gguf-tokenizers", key)
+    return os.path.join(root, "gguf", key)
 
 
 def _gguf_tokenizer(path: str):
     """The GGUF's own vocabulary, merges and chat template, as a transformers tokenizer."""
     from transformers import AutoTokenizer
 
-    cache = _tokenizer_cache_dir(path)
-    if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
-        try:
-            return AutoTokenizer.from_pretrained(cache)
-        except Exception:
-            logger.warning("ignoring the unreadable tokenizer cache %s", cache)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     except Exception as exc:
         raise ModelLoadError(f"cannot build a tokenizer from the GGUF file {path}: {exc}") from None
-    try:  # write to a temporary folder and rename, so concurrent loads never see half a cache
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(cache))
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, cache)
-    except OSError as exc:
-        logger.info("could not cache the GGUF tokenizer in %s: %s", cache, exc)
-    return tokenizer

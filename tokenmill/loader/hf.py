@@ -78,7 +78,10 @@ def load_tokenizer(path: str):
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from None
 
 
-def load_hf_source(path: str, tokenizer_path: str | None = None, skip_tokenizer_init: bool = False) -> ModelSource:
+def load_hf_source(path: str, tokenizer_path: str | None = None, skip_tokenizer_init: bool = False,
+                   weights_required: bool = True) -> ModelSource:
+    """An HF folder as a ModelSource (weights_required=False: a folder with the config and tokenizer
+    only, whose weights the caller supplies)."""
     from transformers import AutoConfig, GenerationConfig
 
     folder = Path(path)
@@ -92,7 +95,7 @@ def load_hf_source(path: str, tokenizer_path: str | None = None, skip_tokenizer_
         config = AutoConfig.from_pretrained(folder)
     except Exception as exc:
         raise ModelLoadError(f"{folder / 'config.json'} cannot be read: {exc}") from None
-    files = _weight_files(folder)
+    files = _weight_files(folder) if weights_required else []
 
     tokenizer = None
     if not skip_tokenizer_init:
@@ -111,7 +114,8 @@ def load_hf_source(path: str, tokenizer_path: str | None = None, skip_tokenizer_
     eos = eos_ids_from(getattr(config, "eos_token_id", None), generation_eos)
     if tokenizer is not None and tokenizer.eos_token_id is not None and not eos:
         eos.add(tokenizer.eos_token_id)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    attrs = vars(config)  # not getattr: transformers warns on every read of the old torch_dtype name
+    dtype = attrs.get("dtype") or attrs.get("torch_dtype")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return ModelSource(
