@@ -520,3 +520,14 @@ def test_bench_serve_against_tokenmill_server(tiny_model_factory, tmp_path, caps
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_bench_startup_times_a_fresh_process(tiny_model_factory, capsys):
+    from tokenmill.bench.startup import format_startup, run_startup
+
+    result = run_startup({"model": tiny_model_factory("llama_gqa"), "dtype": "float32"}, [], num_runs=1, serve=False)
+    median = result["median"]
+    assert set(median) == {"interpreter_s", "import_s", "engine_s", "first_token_s", "total_s"}
+    assert all(v >= 0 for v in median.values())
+    assert median["total_s"] >= median["import_s"] + median["engine_s"] + median["first_token_s"] - 1e-6
+    assert "command to first token" in format_startup(result)

@@ -75,9 +75,9 @@ def _add_baseline_args(parser: argparse.ArgumentParser) -> None:
 def add_bench_parser(sub) -> None:
     from tokenmill.entrypoints.cli import add_engine_args
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, latency",
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, latency, startup",
                            description="Benchmarks: offline throughput, an OpenAI-compatible server, latency of one batch.")
-    bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve,latency}")
+    bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve,latency,startup}")
 
     tp = bsub.add_parser("throughput", help="offline throughput of the engine on a dataset",
                          description="Offline throughput: all requests go to the engine at once (greedy, EOS ignored); "
@@ -103,6 +103,21 @@ def add_bench_parser(sub) -> None:
     _add_baseline_args(lat)
     _add_output_args(lat)
     lat.set_defaults(func=cmd_latency)
+
+    st = bsub.add_parser("startup", help="time from the command to the first token, and to a healthy server",
+                         description="Start-up time, each run in a fresh process: command to first token (split into "
+                                     "interpreter, import, LLM() and first token) and, with --serve, `tokenmill serve` "
+                                     "to a healthy /health; medians over --num-runs.")
+    g = st.add_argument_group("model")
+    g.add_argument("--model", default=None, help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g = st.add_argument_group("runs")
+    g.add_argument("--num-runs", type=int, default=3, help="fresh processes per measurement (default: 3)")
+    g.add_argument("--serve", action="store_true", help="also time `tokenmill serve` until /health answers 200")
+    g.add_argument("--verbose", "-v", action="store_true", help="log engine details to stderr")
+    _add_output_args(st)
+    st.set_defaults(func=cmd_startup)
 
     srv = bsub.add_parser("serve", help="benchmark an OpenAI-compatible server (ours or another engine's)",
                           description="Streams requests to an OpenAI-compatible server with Poisson arrivals; reports "
@@ -256,6 +271,17 @@ def cmd_throughput(args: argparse.Namespace) -> None:
             for key in ("requests_per_second", "input_tokens_per_second", "output_tokens_per_second", "tokens_per_second")
         }
     print(format_throughput(result))
+    write_json(args.json, result)
+
+
+def cmd_startup(args: argparse.Namespace) -> None:
+    from tokenmill.bench.startup import engine_kwargs_from_args, format_startup, run_startup, serve_args_from_args
+
+    check_output_path(args.json)
+    check_at_least("--num-runs", args.num_runs, 1)
+    result = run_startup(engine_kwargs_from_args(args), serve_args_from_args(args), args.num_runs, args.serve)
+    result["args"] = args_dict(args)
+    print(format_startup(result))
     write_json(args.json, result)
 
 

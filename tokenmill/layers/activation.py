@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels import cpu as cpu_kernels
@@ -20,7 +19,11 @@ class SiluAndMul(nn.Module):
 
 
 def get_activation(name: str) -> nn.Module:
-    """The activation named in an HF config, implemented by transformers itself so outputs match."""
+    """The activation named in an HF config, implemented by transformers itself so outputs match.
+    (Imported here, not at the top: transformers.activations costs over a second of start-up and
+    only GPT-2-style models need it.)"""
+    from transformers.activations import ACT2FN
+
     if name not in ACT2FN:
         raise ModelLoadError(f"activation {name!r} is not supported")
     return ACT2FN[name]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels import cpu as cpu_kernels
@@ -17,6 +16,9 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type == "default":
         base = params.get("rope_theta", 10000.0)
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    # Imported only for scaled RoPE: transformers' modeling utilities cost seconds of start-up.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ModelLoadError(f"rope_type {rope_type!r} is not supported; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
     if rope_type in ("dynamic", "longrope"):
