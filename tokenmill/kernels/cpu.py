@@ -1,8 +1,10 @@
 """tokenmill's CPU kernels: compiled once per machine with torch.utils.cpp_extension, then loaded directly.
 
-The build is for this machine's instruction set (-march=native), so the kernels' name carries a hash
-of the sources, the flags, the CPU's flags and torch's version: a cache shared between machines never
-loads a binary built for another CPU. Each hash has one directory of its own,
+The build is for this machine's instruction set (-march=native; TOKENMILL_CPU_MARCH=<target>, e.g.
+x86-64-v3 for the AVX2 code or x86-64 for the scalar loops, builds for that target instead), so the
+kernels' name carries a hash of the sources, the flags (the target included), the CPU's flags and
+torch's version: a cache shared between machines never loads a binary built for another CPU or
+target. Each hash has one directory of its own,
 `<TORCH_EXTENSIONS_DIR, or ~/.cache/torch_extensions>/tokenmill/<name>/`:
 
     build.lock   our build lock, held with fcntl.flock: the kernel drops it when its holder dies
@@ -28,6 +30,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -45,6 +48,18 @@ _HEADERS = [_DIR / "vec.h"]
 # -ffp-contract=off: no fused multiply-adds the source does not write, so the pointwise ops round as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 _LDFLAGS = ["-lmvec"]
+# The -march target in place of native: vec.h picks the AVX-512, AVX2 or scalar code from it.
+MARCH_ENV = "TOKENMILL_CPU_MARCH"
+_MARCH_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+
+
+def _cflags() -> list[str]:
+    """_CFLAGS with -march=$TOKENMILL_CPU_MARCH (native when unset; a value that is no -march name is refused)."""
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not _MARCH_RE.fullmatch(march):
+        logger.warning("%s=%r is not a -march target; building for native", MARCH_ENV, march)
+        march = "native"
+    return [f"-march={march}" if flag == "-march=native" else flag for flag in _CFLAGS]
 
 BUILD_TIMEOUT_ENV = "TOKENMILL_KERNEL_BUILD_TIMEOUT"
 _DEFAULT_BUILD_TIMEOUT_S = 300.0
@@ -83,7 +98,7 @@ def kernel_name() -> str:
     digest = hashlib.sha256()
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
-    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode())
+    digest.update(" ".join(_cflags() + _LDFLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode())
     return f"tokenmill_cpu_{digest.hexdigest()[:16]}"
 
 
@@ -217,8 +232,8 @@ def _build_and_publish(name: str, directory: Path, published: Path, deadline: fl
     cpp_extension.load(
         name=name,
         sources=[str(s) for s in _SOURCES],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS,
+        extra_cflags=_cflags(),
+        extra_ldflags=list(_LDFLAGS),  # a copy: cpp_extension appends torch's libraries to it, which changed kernel_name()
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=False,
@@ -339,3 +354,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotary embedding (neox halves) applied in place to q [T, H, D] and k [T, Hkv, D]; cos/sin [T, D]."""
     torch.ops.tokenmill_cpu.rotary(q, k, cos, sin)
+
+
+def vector_isa() -> str:
+    """The vector code the loaded kernels run: "avx512", "avx2" or "scalar" (see cpu/vec.h)."""
+    return torch.ops.tokenmill_cpu.vector_isa()

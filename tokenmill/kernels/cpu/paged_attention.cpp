@@ -5,19 +5,20 @@
 // (request, KV head) pairs; the G query heads that share a KV head are done together, so each
 // K and V row is read once for all of them. Scores and softmax are float32.
 //
-// Built for the machine it runs on (-march=native): with AVX-512, bf16/fp16 rows are widened to
-// float32 in registers and the dot products, V sums and exponentials run 16 lanes at a time.
+// Built for the machine it runs on (-march=native, or TOKENMILL_CPU_MARCH): with AVX-512 or AVX2
+// (vec.h's Vec, 16 or 8 lanes), bf16/fp16 rows are widened to float32 in registers and the dot
+// products, V sums and exponentials run a vector at a time; without either, in scalar loops.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -25,24 +26,26 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-using tokenmill_cpu::load16;
+#if TOKENMILL_SIMD
+using tokenmill_cpu::Vec;
+constexpr int W = Vec::W;
+constexpr int kMaxChunks = 256 / W;  // head sizes up to 256 take the vector paths
 #endif
 
 // For each of the G query heads of a KV head: out[g * out_stride] = q_g . k. The key row is
 // widened to float32 once for all G heads.
 template <typename scalar_t>
 inline void dot_heads(const float* q, const scalar_t* k, int64_t G, int64_t D, float* out, int64_t out_stride) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0 && D <= 256) {
-    const int64_t chunks = D / 16;
-    __m512 kv[16];
-    for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(k + 16 * c);
+#if TOKENMILL_SIMD
+  if (D % W == 0 && D <= 256) {
+    const int64_t chunks = D / W;
+    Vec kv[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = Vec::load(k + W * c);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
-      __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-      for (int64_t c = 1; c < chunks; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], s);
-      out[g * out_stride] = _mm512_reduce_add_ps(s);
+      Vec s = Vec::load(qg) * kv[0];
+      for (int64_t c = 1; c < chunks; ++c) s = fmadd(Vec::load(qg + W * c), kv[c], s);
+      out[g * out_stride] = reduce_add(s);
     }
     return;
   }
@@ -57,16 +60,15 @@ inline void dot_heads(const float* q, const scalar_t* k, int64_t G, int64_t D, f
 // For each of the G query heads: acc_g += p[g * p_stride] * v, the value row widened once.
 template <typename scalar_t>
 inline void axpy_heads(float* acc, const float* p, int64_t p_stride, const scalar_t* v, int64_t G, int64_t D) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0 && D <= 256) {
-    const int64_t chunks = D / 16;
-    __m512 vv[16];
-    for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(v + 16 * c);
+#if TOKENMILL_SIMD
+  if (D % W == 0 && D <= 256) {
+    const int64_t chunks = D / W;
+    Vec vv[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) vv[c] = Vec::load(v + W * c);
     for (int64_t g = 0; g < G; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * p_stride]);
+      const Vec pg = Vec::set1(p[g * p_stride]);
       float* ag = acc + g * D;
-      for (int64_t c = 0; c < chunks; ++c)
-        _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(pg, vv[c], _mm512_loadu_ps(ag + 16 * c)));
+      for (int64_t c = 0; c < chunks; ++c) store(ag + W * c, fmadd(pg, vv[c], Vec::load(ag + W * c)));
     }
     return;
   }
@@ -79,11 +81,11 @@ inline void axpy_heads(float* acc, const float* p, int64_t p_stride, const scala
 inline float row_max(const float* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
-#if defined(__AVX512F__)
-  if (n >= 16) {
-    __m512 vm = _mm512_loadu_ps(x);
-    for (i = 16; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
-    m = _mm512_reduce_max_ps(vm);
+#if TOKENMILL_SIMD
+  if (n >= W) {
+    Vec vm = Vec::load(x);
+    for (i = W; i + W <= n; i += W) vm = vmax(vm, Vec::load(x + i));
+    m = reduce_max(vm);
   }
 #endif
   for (; i < n; ++i) m = std::max(m, x[i]);
@@ -94,15 +96,15 @@ inline float row_max(const float* x, int64_t n) {
 inline float exp_sum(float* x, int64_t n, float m) {
   int64_t i = 0;
   float sum = 0.f;
-#if defined(__AVX512F__)
-  const __m512 mv = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
-    _mm512_storeu_ps(x + i, e);
-    acc = _mm512_add_ps(acc, e);
+#if TOKENMILL_SIMD
+  const Vec mv = Vec::set1(m);
+  Vec acc = Vec::zero();
+  for (; i + W <= n; i += W) {
+    const Vec e = vexp(Vec::load(x + i) - mv);
+    store(x + i, e);
+    acc = acc + e;
   }
-  sum = _mm512_reduce_add_ps(acc);
+  sum = reduce_add(acc);
 #endif
   for (; i < n; ++i) {
     x[i] = std::exp(x[i] - m);
@@ -122,47 +124,61 @@ inline void for_each_row(int64_t first, int64_t len, int64_t BS, const int64_t* 
   }
 }
 
-#if defined(__AVX512F__)
+#if TOKENMILL_SIMD
 // The two passes with G and D known at compile time, so that the query heads' vectors (QK) and the
 // accumulators (PV) stay in registers: the generic loops kept them in memory, a load and a store
 // around every FMA.
 template <typename scalar_t, int G, int NC>
 void qk_fixed(const float* qf, const scalar_t* k_head, const int64_t* blocks, int64_t first, int64_t len, int64_t BS,
               float* scores, int64_t n) {
-  constexpr int D = 16 * NC;
-  __m512 qv[G][NC];
+  constexpr int D = W * NC;
+  Vec qv[G][NC];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * D + 16 * c);
+    for (int c = 0; c < NC; ++c) qv[g][c] = Vec::load(qf + g * D + W * c);
   for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
     const scalar_t* k = k_head + row * D;
-    __m512 kv[NC];
-    for (int c = 0; c < NC; ++c) kv[c] = load16(k + 16 * c);
+    Vec kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = Vec::load(k + W * c);
     for (int g = 0; g < G; ++g) {
-      __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
-      scores[g * n + (t - first)] = _mm512_reduce_add_ps(s);
+      Vec s = qv[g][0] * kv[0];
+      for (int c = 1; c < NC; ++c) s = fmadd(qv[g][c], kv[c], s);
+      scores[g * n + (t - first)] = reduce_add(s);
     }
   });
+}
+
+// Chunks of the head the PV pass accumulates per walk over the context: all NC when the G * NC
+// accumulators and the NC value chunks fit the ISA's registers, else the largest divisor of NC
+// that fits (AVX2 has 16 registers: D = 64 is 8 chunks there, 24 accumulators for G = 3). Each
+// walk then reads its slice of every V row, from L1/L2 after the first.
+template <int G, int NC>
+constexpr int pv_panel() {
+  int p = NC;
+  while (p > 1 && (NC % p != 0 || (G + 1) * p > Vec::kRegisters - 2)) --p;
+  return p;
 }
 
 template <typename scalar_t, int G, int NC>
 void pv_fixed(const float* scores, int64_t n, const scalar_t* v_head, const int64_t* blocks, int64_t first, int64_t len,
               int64_t BS, float* out) {
-  constexpr int D = 16 * NC;
-  __m512 acc[G][NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
-  for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
-    const scalar_t* v = v_head + row * D;
-    __m512 vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = load16(v + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * n + (t - first)]);
-      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
-    }
-  });
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + g * D + 16 * c, acc[g][c]);
+  constexpr int D = W * NC;
+  constexpr int P = pv_panel<G, NC>();
+  for (int c0 = 0; c0 < NC; c0 += P) {
+    Vec acc[G][P];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < P; ++c) acc[g][c] = Vec::zero();
+    for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
+      const scalar_t* v = v_head + row * D + W * c0;
+      Vec vv[P];
+      for (int c = 0; c < P; ++c) vv[c] = Vec::load(v + W * c);
+      for (int g = 0; g < G; ++g) {
+        const Vec p = Vec::set1(scores[g * n + (t - first)]);
+        for (int c = 0; c < P; ++c) acc[g][c] = fmadd(p, vv[c], acc[g][c]);
+      }
+    });
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < P; ++c) store(out + g * D + W * (c0 + c), acc[g][c]);
+  }
 }
 
 template <typename scalar_t>
@@ -170,7 +186,7 @@ using QkFn = void (*)(const float*, const scalar_t*, const int64_t*, int64_t, in
 template <typename scalar_t>
 using PvFn = void (*)(const float*, int64_t, const scalar_t*, const int64_t*, int64_t, int64_t, int64_t, float*);
 
-// The fixed-size passes for G query heads per KV head (1 to 8) and NC 16-lane chunks per head.
+// The fixed-size passes for G query heads per KV head (1 to 8) and NC vector chunks per head.
 template <typename scalar_t, int NC, int G = 1>
 void pick_fixed(int64_t g, QkFn<scalar_t>& qk, PvFn<scalar_t>& pv) {
   if (g == G) {
@@ -197,11 +213,11 @@ void decode_kernel(
   // parallel_for's static halves left one thread idle while the other finished the long ones.
   std::atomic<int64_t> next_task{0};
   const int64_t num_tasks = B * Hkv;
-#if defined(__AVX512F__)
+#if TOKENMILL_SIMD
   QkFn<scalar_t> qk = nullptr;
   PvFn<scalar_t> pv = nullptr;
-  if (D == 64) pick_fixed<scalar_t, 4>(G, qk, pv);
-  if (D == 128) pick_fixed<scalar_t, 8>(G, qk, pv);
+  if (D == 64) pick_fixed<scalar_t, 64 / W>(G, qk, pv);
+  if (D == 128) pick_fixed<scalar_t, 128 / W>(G, qk, pv);
 #endif
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(G * D), acc(G * D), scores;
@@ -217,7 +233,7 @@ void decode_kernel(
       const scalar_t* v_head = v_cache + h * NB * BS * D;
       const int64_t* blocks = block_table + b * MB;
 
-#if defined(__AVX512F__)
+#if TOKENMILL_SIMD
       if (qk != nullptr) {
         qk(qf.data(), k_head, blocks, first, len, BS, scores.data(), n);
       } else
@@ -232,7 +248,7 @@ void decode_kernel(
         const float inv = 1.f / exp_sum(sg, n, row_max(sg, n));
         for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
       }
-#if defined(__AVX512F__)
+#if TOKENMILL_SIMD
       if (pv != nullptr) {
         pv(scores.data(), n, v_head, blocks, first, len, BS, acc.data());
       } else
@@ -302,7 +318,7 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
   // row per request and head into lines nobody has in cache, and a normal store would read each
   // line from memory first.
   bool stream = false;
-#if defined(__AVX512F__)
+#if TOKENMILL_SIMD
   stream = row_bytes % 64 == 0 && reinterpret_cast<uintptr_t>(caches[0]) % 64 == 0 && reinterpret_cast<uintptr_t>(caches[1]) % 64 == 0;
 #endif
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
@@ -312,25 +328,28 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
         for (int64_t h = 0; h < Hkv; ++h) {
           char* dst = caches[c] + (h * slots + slot_of[t]) * row_bytes;
           const char* src = news[c] + t * strides[c] + h * row_bytes;
-#if defined(__AVX512F__)
+#if TOKENMILL_SIMD
           if (stream) {
-            for (int64_t off = 0; off < row_bytes; off += 64)
-              _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + off), _mm512_loadu_si512(src + off));
+            for (int64_t off = 0; off < row_bytes; off += 64) tokenmill_cpu::stream_line(dst + off, src + off);
             continue;
           }
 #endif
           std::memcpy(dst, src, row_bytes);
         }
     }
-#if defined(__AVX512F__)
-    if (stream) _mm_sfence();  // the streamed rows are visible before attention reads them
+#if TOKENMILL_SIMD
+    if (stream) tokenmill_cpu::stream_fence();  // the streamed rows are visible before attention reads them
 #endif
   });
 }
 
+// "avx512", "avx2" or "scalar": the vector code this build runs (vec.h).
+std::string vector_isa() { return tokenmill_cpu::vector_isa(); }
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill_cpu, m) {
+  m.def("vector_isa() -> str", &vector_isa);
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor token_rows, "
         "Tensor block_table, Tensor positions, int window, float scale) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);

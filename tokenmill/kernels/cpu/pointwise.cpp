@@ -5,7 +5,8 @@
 // Every op rounds where the torch code it replaces rounds (to the tensor dtype after each torch
 // op, float32 inside the norm), so bf16 results equal the eager ones bit for bit, and float32
 // ones too: the build turns off FMA contraction (-ffp-contract=off) for that reason. The one
-// exception is the sum of squares in RMSNorm, accumulated in a different order.
+// exception is the sum of squares in RMSNorm, accumulated in a different order. The vector loops
+// (vec.h's Vec: AVX-512 or AVX2) and the scalar ones round alike, so every ISA gives these results.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,10 +20,9 @@ namespace {
 
 using tokenmill_cpu::dispatch_float_types;
 
-#if defined(__AVX512F__)
-using tokenmill_cpu::load16;
-using tokenmill_cpu::round_trip16;
-using tokenmill_cpu::store16;
+#if TOKENMILL_SIMD
+using tokenmill_cpu::Vec;
+constexpr int W = Vec::W;
 #endif
 
 template <typename T>
@@ -42,13 +42,13 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* weight, T* out, int64_
       T* o = out + r * n;
       float ss = 0.f;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      __m512 acc = _mm512_setzero_ps();
-      for (; i + 16 <= n; i += 16) {
-        const __m512 v = load16(xr + i);
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+#if TOKENMILL_SIMD
+      Vec acc = Vec::zero();
+      for (; i + W <= n; i += W) {
+        const Vec v = Vec::load(xr + i);
+        acc = acc + v * v;
       }
-      ss = _mm512_reduce_add_ps(acc);
+      ss = reduce_add(acc);
 #endif
       for (; i < n; ++i) {
         const float v = static_cast<float>(xr[i]);
@@ -56,10 +56,9 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* weight, T* out, int64_
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
       i = 0;
-#if defined(__AVX512F__)
-      const __m512 vinv = _mm512_set1_ps(inv);
-      for (; i + 16 <= n; i += 16)
-        store16(o + i, _mm512_mul_ps(load16(weight + i), round_trip16(_mm512_mul_ps(load16(xr + i), vinv), xr)));
+#if TOKENMILL_SIMD
+      const Vec vinv = Vec::set1(inv);
+      for (; i + W <= n; i += W) store(o + i, Vec::load(weight + i) * round_trip(Vec::load(xr + i) * vinv, xr));
 #endif
       for (; i < n; ++i)
         o[i] = round_to<T>(static_cast<float>(weight[i]) * static_cast<float>(round_to<T>(static_cast<float>(xr[i]) * inv)));
@@ -97,8 +96,8 @@ at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tens
     at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i + 16 <= n; i += 16) store16(res + r * n + i, _mm512_add_ps(load16(res + r * n + i), load16(xs + r * stride + i)));
+#if TOKENMILL_SIMD
+        for (; i + W <= n; i += W) store(res + r * n + i, Vec::load(res + r * n + i) + Vec::load(xs + r * stride + i));
 #endif
         for (; i < n; ++i)
           res[r * n + i] = round_to<T>(static_cast<float>(res[r * n + i]) + static_cast<float>(xs[r * stride + i]));
@@ -123,12 +122,11 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         const T* gate = xs + r * stride;
         const T* up = gate + n;
         int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i + 16 <= n; i += 16) {
-          const __m512 g = load16(gate + i);
-          const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
-          const __m512 act = round_trip16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), gate);
-          store16(o + r * n + i, _mm512_mul_ps(act, load16(up + i)));
+#if TOKENMILL_SIMD
+        for (; i + W <= n; i += W) {
+          const Vec g = Vec::load(gate + i);
+          const Vec act = round_trip(g / (Vec::set1(1.f) + vexp(Vec::zero() - g)), gate);
+          store(o + r * n + i, act * Vec::load(up + i));
         }
 #endif
         for (; i < n; ++i) {
@@ -155,17 +153,16 @@ void rotary_rows(T* x, int64_t row_stride, int64_t heads, int64_t D, const T* co
       const T* s = sin + t * D;
       for (int64_t h = 0; h < heads; ++h) {
         T* v = x + t * row_stride + h * D;
-#if defined(__AVX512F__)
-        if (half % 16 == 0) {  // whole 16-lane chunks swap halves: no shuffles
-          for (int64_t i = 0; i < half; i += 16) {
-            const __m512 lo = load16(v + i), hi = load16(v + half + i);
-            const __m512 neg_hi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
-            const __m512 p_lo = round_trip16(_mm512_mul_ps(lo, load16(c + i)), v);
-            const __m512 q_lo = round_trip16(_mm512_mul_ps(neg_hi, load16(s + i)), v);
-            const __m512 p_hi = round_trip16(_mm512_mul_ps(hi, load16(c + half + i)), v);
-            const __m512 q_hi = round_trip16(_mm512_mul_ps(lo, load16(s + half + i)), v);
-            store16(v + i, _mm512_add_ps(p_lo, q_lo));
-            store16(v + half + i, _mm512_add_ps(p_hi, q_hi));
+#if TOKENMILL_SIMD
+        if (half % W == 0) {  // whole vectors swap halves: no shuffles
+          for (int64_t i = 0; i < half; i += W) {
+            const Vec lo = Vec::load(v + i), hi = Vec::load(v + half + i);
+            const Vec p_lo = round_trip(lo * Vec::load(c + i), v);
+            const Vec q_lo = round_trip((Vec::zero() - hi) * Vec::load(s + i), v);
+            const Vec p_hi = round_trip(hi * Vec::load(c + half + i), v);
+            const Vec q_hi = round_trip(lo * Vec::load(s + half + i), v);
+            store(v + i, p_lo + q_lo);
+            store(v + half + i, p_hi + q_hi);
           }
           continue;
         }

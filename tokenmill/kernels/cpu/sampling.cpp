@@ -17,8 +17,10 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-using tokenmill_cpu::load16;
+#if TOKENMILL_SIMD
+using tokenmill_cpu::IVec;
+using tokenmill_cpu::Vec;
+constexpr int W = Vec::W;
 #endif
 
 // (argmax, logsumexp) of one row. NaN logits are not supported (the engine never produces them).
@@ -27,25 +29,25 @@ std::pair<int64_t, float> row_argmax_lse(const T* x, int64_t n) {
   int64_t i = 0;
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_i = 0;
-#if defined(__AVX512F__)
-  if (n >= 16) {
+#if TOKENMILL_SIMD
+  if (n >= W) {
     // Per lane: the largest value and the first index where it occurs.
-    __m512 vbest = load16(x);
-    __m512i vidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i vbest_idx = vidx;
-    const __m512i step = _mm512_set1_epi32(16);
-    for (i = 16; i + 16 <= n; i += 16) {
-      vidx = _mm512_add_epi32(vidx, step);
-      const __m512 v = load16(x + i);
-      const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);  // strictly greater keeps the first index
-      vbest = _mm512_mask_mov_ps(vbest, gt, v);
-      vbest_idx = _mm512_mask_mov_epi32(vbest_idx, gt, vidx);
+    Vec vbest = Vec::load(x);
+    IVec vidx = IVec::iota();
+    IVec vbest_idx = vidx;
+    const IVec step = IVec::set1(W);
+    for (i = W; i + W <= n; i += W) {
+      vidx = vidx + step;
+      const Vec v = Vec::load(x + i);
+      const auto gt = greater(v, vbest);  // strictly greater keeps the first index
+      vbest = select(gt, v, vbest);
+      vbest_idx = select(gt, vidx, vbest_idx);
     }
-    alignas(64) float vals[16];
-    alignas(64) int32_t idxs[16];
-    _mm512_store_ps(vals, vbest);
-    _mm512_store_si512(idxs, vbest_idx);
-    for (int lane = 0; lane < 16; ++lane) {
+    float vals[W];
+    int32_t idxs[W];
+    store(vals, vbest);
+    store(idxs, vbest_idx);
+    for (int lane = 0; lane < W; ++lane) {
       if (vals[lane] > best || (vals[lane] == best && idxs[lane] < best_i)) {
         best = vals[lane];
         best_i = idxs[lane];
@@ -63,11 +65,11 @@ std::pair<int64_t, float> row_argmax_lse(const T* x, int64_t n) {
   if (std::isinf(best) && best < 0) return {best_i, best};  // every logit is -inf
   float sum = 0.f;
   i = 0;
-#if defined(__AVX512F__)
-  const __m512 vmax = _mm512_set1_ps(best);
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, _ZGVeN16v_expf(_mm512_sub_ps(load16(x + i), vmax)));
-  sum = _mm512_reduce_add_ps(acc);
+#if TOKENMILL_SIMD
+  const Vec vbest_all = Vec::set1(best);
+  Vec acc = Vec::zero();
+  for (; i + W <= n; i += W) acc = acc + vexp(Vec::load(x + i) - vbest_all);
+  sum = reduce_add(acc);
 #endif
   double tail = 0.0;  // double: a scalar float sum over a whole vocabulary drifts by ~1e-6
   for (; i < n; ++i) tail += std::exp(static_cast<float>(x[i]) - best);

@@ -1,12 +1,44 @@
-// What tokenmill's CPU kernels share: the dtype dispatch, and the few AVX-512 primitives (16 lanes
-// of float32, loaded from and stored to float32, bf16 or fp16 memory, and libmvec's vector expf).
-// Kernels keep a scalar loop for machines without AVX-512 (and for row tails).
+// What tokenmill's CPU kernels share: the dtype dispatch, and one small vector abstraction over
+// float32 lanes with an AVX-512 and an AVX2 implementation, so that each kernel is written once.
+//
+// The build picks the implementation from the target's macros (-march=native by default, or
+// TOKENMILL_CPU_MARCH): TOKENMILL_SIMD is
+//   512  with AVX-512F: Vec holds 16 floats (__m512);
+//   256  with AVX2 + FMA + F16C (x86-64-v3: Zen 2/3, Haswell and later): Vec holds 8 floats (__m256);
+//   0    otherwise: no Vec; the kernels run their scalar loops, which stay as the reference and
+//        handle the tails of rows that are not a whole number of vectors.
+//
+// Vec is float32 in registers whatever the memory dtype: Vec::load widens float32, bf16 (the top
+// half of a float32: a 16-bit shift) or fp16 (F16C / AVX-512F) rows, store() rounds to nearest
+// even as c10::BFloat16(float) / c10::Half(float) do. Arithmetic is one IEEE op per call (the
+// build passes -ffp-contract=off, so a * b + c rounds twice, as torch's eager ops do; fmadd() is
+// the one fused op, for the kernels that accumulate in float32 anyway). vexp() is glibc's libmvec
+// expf at the vector width (_ZGVeN16v_expf, as the AVX-512 code always used, and its AVX2 sibling
+// _ZGVdN8v_expf): both within a few ulp of expf, so the two widths agree within the kernel tests'
+// tolerances (tests/test_kernel_isa.py compares them).
 #pragma once
 
 #include <ATen/ATen.h>
+
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <cstdint>
+
+#if defined(__AVX512F__)
+#define TOKENMILL_SIMD 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TOKENMILL_SIMD 256
+#else
+#define TOKENMILL_SIMD 0
+#endif
+
+#if TOKENMILL_SIMD == 512
+extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc's libmvec: 16 expf at once
+#elif TOKENMILL_SIMD == 256
+extern "C" __m256 _ZGVdN8v_expf(__m256);  // glibc's libmvec: 8 expf at once (AVX2 variant)
+#endif
 
 namespace tokenmill_cpu {
 
@@ -22,43 +54,171 @@ void dispatch_float_types(at::ScalarType type, const char* op, F&& f) {
   }
 }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float32
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// The vector code a build runs, as the kernels' `vector_isa` op reports it (tests check it).
+inline const char* vector_isa() {
+#if TOKENMILL_SIMD == 512
+  return "avx512";
+#elif TOKENMILL_SIMD == 256
+  return "avx2";
+#else
+  return "scalar";
+#endif
 }
 
+#if TOKENMILL_SIMD == 512
+
+// ---- AVX-512: 16 lanes ------------------------------------------------------------------------
+
+struct Mask {
+  __mmask16 m;
+};
+struct IVec {  // 16 int32 lanes (argmax indices)
+  __m512i v;
+  static IVec iota() { return {_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)}; }
+  static IVec set1(int32_t x) { return {_mm512_set1_epi32(x)}; }
+};
+struct Vec {  // 16 float32 lanes
+  static constexpr int W = 16;
+  static constexpr int kRegisters = 32;  // vector registers of the ISA
+  __m512 v;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const c10::BFloat16* p) {  // bf16 is the top half of a float32
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+  }
+  static Vec load(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+};
+
+inline Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c, rounded once
+inline Vec vmax(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline Vec vexp(Vec a) { return {_ZGVeN16v_expf(a.v)}; }
+inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+
+inline Mask greater(Vec a, Vec b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ)}; }  // a > b, false for NaN
+inline Vec select(Mask m, Vec a, Vec b) { return {_mm512_mask_mov_ps(b.v, m.m, a.v)}; }  // m ? a : b
+inline IVec select(Mask m, IVec a, IVec b) { return {_mm512_mask_mov_epi32(b.v, m.m, a.v)}; }
+inline IVec operator+(IVec a, IVec b) { return {_mm512_add_epi32(a.v, b.v)}; }
+inline void store(int32_t* p, IVec a) { _mm512_storeu_si512(p, a.v); }
+
 // float32 bits rounded to nearest even at bf16 precision (the top 16 bits hold the bf16), as c10::BFloat16(float).
-inline __m512i bf16_rounded_bits(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
+inline __m512i bf16_rounded_bits(Vec x) {
+  const __m512i bits = _mm512_castps_si512(x.v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   return _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
 }
 
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(c10::BFloat16* p, __m512 x) {
+inline void store(float* p, Vec x) { _mm512_storeu_ps(p, x.v); }
+inline void store(c10::BFloat16* p, Vec x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(x), 16)));
 }
-inline void store16(c10::Half* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+inline void store(c10::Half* p, Vec x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 // x rounded to T and back: the value a torch op would leave in a T tensor.
-inline __m512 round_trip16(__m512 x, const float*) { return x; }
-inline __m512 round_trip16(__m512 x, const c10::BFloat16*) {
-  return _mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+inline Vec round_trip(Vec x, const float*) { return x; }
+inline Vec round_trip(Vec x, const c10::BFloat16*) {
+  return {_mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
 }
-inline __m512 round_trip16(__m512 x, const c10::Half*) {
-  return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+inline Vec round_trip(Vec x, const c10::Half*) {
+  return {_mm512_cvtph_ps(_mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))};
 }
+
+// One 64-byte cache line from src to dst (64-byte aligned) with a streaming store, and the fence
+// that makes streamed lines visible before later loads.
+inline void stream_line(void* dst, const void* src) {
+  _mm512_stream_si512(static_cast<__m512i*>(dst), _mm512_loadu_si512(src));
+}
+inline void stream_fence() { _mm_sfence(); }
+
+#elif TOKENMILL_SIMD == 256
+
+// ---- AVX2 + FMA + F16C: 8 lanes ---------------------------------------------------------------
+
+struct Mask {
+  __m256 m;  // all ones in the lanes where it holds
+};
+struct IVec {  // 8 int32 lanes (argmax indices)
+  __m256i v;
+  static IVec iota() { return {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)}; }
+  static IVec set1(int32_t x) { return {_mm256_set1_epi32(x)}; }
+};
+struct Vec {  // 8 float32 lanes
+  static constexpr int W = 8;
+  static constexpr int kRegisters = 16;
+  __m256 v;
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec set1(float x) { return {_mm256_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec load(const c10::BFloat16* p) {  // no native bf16 on AVX2: widen by a 16-bit shift
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
+  }
+  static Vec load(const c10::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+};
+
+inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec operator/(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec vmax(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline Vec vexp(Vec a) { return {_ZGVdN8v_expf(a.v)}; }
+inline float reduce_add(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_max(Vec a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline Mask greater(Vec a, Vec b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)}; }
+inline Vec select(Mask m, Vec a, Vec b) { return {_mm256_blendv_ps(b.v, a.v, m.m)}; }
+inline IVec select(Mask m, IVec a, IVec b) { return {_mm256_blendv_epi8(b.v, a.v, _mm256_castps_si256(m.m))}; }
+inline IVec operator+(IVec a, IVec b) { return {_mm256_add_epi32(a.v, b.v)}; }
+inline void store(int32_t* p, IVec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.v); }
+
+inline __m256i bf16_rounded_bits(Vec x) {
+  const __m256i bits = _mm256_castps_si256(x.v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+}
+
+inline void store(float* p, Vec x) { _mm256_storeu_ps(p, x.v); }
+inline void store(c10::BFloat16* p, Vec x) {
+  const __m256i top = _mm256_srli_epi32(bf16_rounded_bits(x), 16);  // each lane <= 0xFFFF: packus keeps it as is
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
+}
+inline void store(c10::Half* p, Vec x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+inline Vec round_trip(Vec x, const float*) { return x; }
+inline Vec round_trip(Vec x, const c10::BFloat16*) {
+  return {_mm256_castsi256_ps(_mm256_and_si256(bf16_rounded_bits(x), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+inline Vec round_trip(Vec x, const c10::Half*) {
+  return {_mm256_cvtph_ps(_mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))};
+}
+
+inline void stream_line(void* dst, const void* src) {
+  const __m256i* s = static_cast<const __m256i*>(src);
+  __m256i* d = static_cast<__m256i*>(dst);
+  _mm256_stream_si256(d, _mm256_loadu_si256(s));
+  _mm256_stream_si256(d + 1, _mm256_loadu_si256(s + 1));
+}
+inline void stream_fence() { _mm_sfence(); }
+
 #endif
 
 }  // namespace tokenmill_cpu
-
-#if defined(__AVX512F__)
-extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc's libmvec: 16 expf at once
-#endif

@@ -1,0 +1,164 @@
+"""tokenmill's CPU kernels on the shapes that pick their code paths, against plain PyTorch.
+
+The kernels run a vector at a time (16 lanes with AVX-512, 8 with AVX2: cpu/vec.h) and scalar
+loops for what is left; these shapes put rows, heads and vocabularies on both sides of both widths,
+and the query heads per KV head across the fixed-size attention passes (1 to 8) and past them.
+tests/test_kernel_isa.py runs this file against builds for each ISA; alone, it tests the build
+for this machine. Rotary and the residual add must be bit-equal to the eager ops on every ISA.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="CPU kernels did not build")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+EXPECT_ISA_ENV = "TOKENMILL_EXPECT_VECTOR_ISA"  # set by test_kernel_isa.py for the build it asked for
+
+
+def _native_isa() -> str:
+    flags: set[str] = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar"
+
+
+def test_vector_isa_is_the_one_built_for():
+    """The build runs the vector code its target has: a -march=native build on an AVX2 machine
+    must not fall back to the scalar loops."""
+    want = os.environ.get(EXPECT_ISA_ENV)
+    if want is None:
+        if os.environ.get(cpu.MARCH_ENV, "native") not in ("", "native"):
+            pytest.skip(f"{cpu.MARCH_ENV} is set without {EXPECT_ISA_ENV}")
+        if not Path("/proc/cpuinfo").exists():
+            pytest.skip("no /proc/cpuinfo to say what native is")
+        want = _native_isa()
+    assert cpu.vector_isa() == want
+
+
+def _tol(dtype):
+    return {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float16: dict(atol=3e-3, rtol=3e-3)}[dtype]
+
+
+# (head_dim, query heads per KV head): 64 and 128 take the fixed-size passes for G <= 8, and the
+# generic vector loops for G = 9; 24 and 40 are whole AVX2 vectors but not AVX-512 ones; 4 is scalar.
+ATTN_SHAPES = [(64, 1), (64, 3), (64, 8), (64, 9), (128, 2), (128, 7), (24, 3), (40, 2), (4, 2), (256, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,group", ATTN_SHAPES, ids=[f"D{d}-G{g}" for d, g in ATTN_SHAPES])
+@pytest.mark.parametrize("window", [None, 7])
+def test_write_kv_and_paged_decode_attention(dtype, head_dim, group, window):
+    torch.manual_seed(head_dim * 100 + group)
+    num_kv_heads, block, num_blocks = 2, 16, 48
+    contexts = [1, 5, 16, 17, 40, 131]  # within a block, a whole block, across blocks, a long one
+    B = len(contexts)
+    k_cache = torch.zeros(num_kv_heads, num_blocks, block, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    free = (torch.randperm(num_blocks - 1) + 1).tolist()  # block 0: the null block
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in contexts]
+    max_blocks = max(map(len, tables))
+    block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    k_all = [torch.randn(n, num_kv_heads, head_dim).to(dtype) for n in contexts]
+    v_all = [torch.randn(n, num_kv_heads, head_dim).to(dtype) for n in contexts]
+    slots = torch.tensor([tables[b][p // block] * block + p % block for b, n in enumerate(contexts) for p in range(n)])
+    # K/V of every position through write_kv, as prompt chunks and decodes write them.
+    cpu.write_kv(k_cache, v_cache, torch.cat(k_all), torch.cat(v_all), slots)
+    flat_k, flat_v = k_cache.view(num_kv_heads, -1, head_dim), v_cache.view(num_kv_heads, -1, head_dim)
+    assert torch.equal(flat_k[:, slots].transpose(0, 1), torch.cat(k_all))
+    assert torch.equal(flat_v[:, slots].transpose(0, 1), torch.cat(v_all))
+
+    num_heads = num_kv_heads * group
+    q = torch.randn(B + 2, num_heads, head_dim).to(dtype)  # two rows that are not decodes: untouched
+    token_rows = torch.tensor([r for r in range(B + 2) if r not in (1, 4)])
+    out = torch.full_like(q, 7.0)
+    positions = torch.tensor(contexts) - 1
+    scale = head_dim**-0.5
+    cpu.paged_decode_attention(out, q, k_cache, v_cache, token_rows, block_table, positions, window, scale)
+    assert (out[[1, 4]] == 7).all()
+    for b, n in enumerate(contexts):
+        first = max(0, n - window) if window else 0
+        k = k_all[b][first:].float().repeat_interleave(group, dim=1)  # [ctx, H, D]
+        v = v_all[b][first:].float().repeat_interleave(group, dim=1)
+        qb = q[token_rows[b]].float()
+        probs = (torch.einsum("hd,chd->hc", qb, k) * scale).softmax(-1)
+        want = torch.einsum("hc,chd->hd", probs, v)
+        torch.testing.assert_close(out[token_rows[b]].float(), want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [5, 24, 100, 576])
+def test_rms_norm_and_residual_add(dtype, hidden):
+    from tokenmill.layers.norm import RMSNorm
+
+    torch.manual_seed(hidden)
+    norm = RMSNorm(hidden, eps=1e-5)
+    norm.weight.data = torch.randn(hidden).to(dtype)
+    x = torch.randn(33, hidden).to(dtype)
+    residual = torch.randn(33, hidden).to(dtype)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(cpu.rms_norm(x, norm.weight, norm.eps), norm._torch_forward(x), **tol)
+    want_residual = residual + x
+    out = cpu.add_rms_norm(residual, x, norm.weight, norm.eps)
+    assert torch.equal(residual, want_residual)  # in place, rounded as torch's add
+    torch.testing.assert_close(out, norm._torch_forward(want_residual), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [3, 8, 37, 1536])
+def test_silu_and_mul(dtype, inter):
+    torch.manual_seed(inter)
+    x = (torch.randn(9, 2 * inter) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(cpu.silu_and_mul(x), F.silu(gate) * up, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [6, 16, 24, 32, 40, 64, 128])
+def test_rotary_bit_equal(dtype, head_dim):
+    from tokenmill.layers.rotary import rotate_half
+
+    torch.manual_seed(head_dim)
+    tokens, heads, kv_heads = 5, 3, 1
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    cos, sin = torch.randn(tokens, head_dim).to(dtype), torch.randn(tokens, head_dim).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    want_q = q * cos[:, None] + rotate_half(q) * sin[:, None]
+    want_k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+    cpu.rotary(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [8, 9, 17, 24, 49152, 49157])
+def test_argmax_logsumexp(dtype, vocab):
+    torch.manual_seed(vocab)
+    logits = torch.randn(8, vocab) * 5
+    top = logits.max() + 1
+    logits[0, [vocab - 1, vocab // 2]] = top  # a tie: the first index wins, whichever lane holds it
+    if vocab > 16:
+        logits[1, [3, 11, 16]] = top  # ties in different lanes of the first vectors
+    logits[2, -1] = top + 1  # the maximum in the last element (a tail, where there is one)
+    logits[3, 0] = top + 1  # the maximum in the first
+    logits[4] = float("-inf")
+    logits[5, 1:] = float("-inf")
+    logits = logits.to(dtype).float()
+    ids, lse = cpu.argmax_logsumexp(logits.to(dtype))
+    assert torch.equal(ids, logits.argmax(dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1))
+    assert math.isinf(lse[4].item()) and lse[4].item() < 0
