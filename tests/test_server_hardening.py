@@ -565,3 +565,18 @@ def test_e2e_in_flight_limits_with_real_streams(server):
     assert r.status_code == 200, r.text
     assert httpx.get(server.url("/health"), timeout=10).status_code == 200
     assert "Traceback" not in server.log_text()
+
+
+# ------------------------------------------------------------------ found by the reliability suite
+
+
+def test_prompt_lists_are_capped(client):
+    err = _error(client.post("/v1/completions", json={"prompt": ["a"] * 1025, "max_tokens": 1}), 400, "prompt")
+    assert "--max-prompts-per-request" in err["message"] and "1025" in err["message"]
+
+
+def test_unknown_field_names_cannot_forge_log_lines(client, caplog):
+    with caplog.at_level(logging.WARNING):
+        client.post("/v1/completions", json={**COMPLETION, "x\nFORGED-LOG-LINE ERROR y": 1})
+    text = "\n".join(rec.getMessage() for rec in caplog.records)
+    assert "ignoring unknown fields" in text and "\nFORGED-LOG-LINE" not in text

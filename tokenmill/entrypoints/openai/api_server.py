@@ -31,7 +31,12 @@ from tokenmill.errors import TokenmillError
 from tokenmill.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
 from tokenmill.entrypoints.openai.chat_utils import check_request_template, normalize_messages, render_chat_async
-from tokenmill.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N
+from tokenmill.entrypoints.openai.cli_args import (
+    DEFAULT_BODY_READ_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_PROMPTS,
+)
 from tokenmill.entrypoints.openai.errors import (
     BadRequest,
     error_from_exception,
@@ -76,6 +81,8 @@ class ServerSettings:
     own_engine_thread: bool = True  # False: run_server runs the engine loop on the main thread
     # What one request may ask for (None: no limit)
     max_n: int = DEFAULT_MAX_N
+    max_prompts: int = DEFAULT_MAX_PROMPTS
+    request_body_timeout: float = DEFAULT_BODY_READ_TIMEOUT
     max_prompt_tokens: int | None = None
     max_concurrent_requests: int | None = None
     max_concurrent_requests_per_key: int | None = None  # per API key; per client address without keys
@@ -86,6 +93,7 @@ class ServerSettings:
     def serving_limits(self) -> ServingLimits:
         return ServingLimits(
             max_n=self.max_n,
+            max_prompts=self.max_prompts,
             max_prompt_tokens=self.max_prompt_tokens,
             trust_request_chat_template=self.trust_request_chat_template,
             render=RenderLimits(self.max_chat_template_render_seconds, self.max_chat_template_output_chars),
@@ -220,7 +228,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
 
     # Middlewares, innermost first: body limit; requests in flight (counted from arrival, so a slow upload
     # counts too); the API key (checked before a request counts against its key); request ids and access logs.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes, read_timeout=settings.request_body_timeout)
     if settings.max_concurrent_requests is not None or settings.max_concurrent_requests_per_key is not None:
         app.add_middleware(
             ConcurrencyLimitMiddleware,
@@ -259,6 +267,8 @@ def run_server(args: argparse.Namespace) -> None:
         shutdown_timeout=1.0,
         own_engine_thread=False,
         max_n=args.max_n,
+        max_prompts=args.max_prompts_per_request,
+        request_body_timeout=args.request_body_timeout,
         max_prompt_tokens=args.max_prompt_tokens,
         max_concurrent_requests=args.max_concurrent_requests,
         max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,

@@ -9,6 +9,8 @@ from tokenmill.entrypoints.openai.render_limits import DEFAULT_MAX_OUTPUT_CHARS,
 
 DEFAULT_MAX_BODY_BYTES = 10 << 20  # 10 MiB
 DEFAULT_MAX_N = 128  # OpenAI's own cap on n
+DEFAULT_MAX_PROMPTS = 1024  # prompts in one /v1/completions request
+DEFAULT_BODY_READ_TIMEOUT = 15.0  # seconds to receive a request body
 
 
 def _positive_float(text: str) -> float:
@@ -66,6 +68,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-n", type=_positive_int, default=DEFAULT_MAX_N,
         help=f"refuse n or best_of above this with 400 (default: {DEFAULT_MAX_N}, OpenAI's cap)",
+    )
+    g.add_argument(
+        "--max-prompts-per-request", type=_positive_int, default=DEFAULT_MAX_PROMPTS,
+        help=f"refuse a completions request with more prompts in its list with 400 (default: {DEFAULT_MAX_PROMPTS})",
+    )
+    g.add_argument(
+        "--request-body-timeout", type=_positive_float, default=DEFAULT_BODY_READ_TIMEOUT, metavar="SECONDS",
+        help=f"answer 408 when a request body takes longer to arrive (default: {DEFAULT_BODY_READ_TIMEOUT:g})",
     )
     g.add_argument(
         "--max-prompt-tokens", type=_positive_int, default=None, metavar="N",

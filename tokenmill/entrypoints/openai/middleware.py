@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -164,9 +165,10 @@ class ConcurrencyLimitMiddleware:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout = read_timeout  # a body that stops arriving (a short one, a slow client) gets 408
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
@@ -186,7 +188,12 @@ class BodyLimitMiddleware:
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except asyncio.TimeoutError:
+                await _send_error(send, 408, f"the request body did not arrive within {self.read_timeout:g} s "
+                                             "(the server's --request-body-timeout)")
+                return
             if message["type"] == "http.disconnect":
                 return
             body = message.get("body", b"")

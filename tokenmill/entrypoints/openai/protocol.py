@@ -37,7 +37,8 @@ class OpenAIBaseModel(BaseModel):
         result = handler(data)
         extra = getattr(result, "model_extra", None)
         if extra:
-            logger.warning("%s: ignoring unknown fields %s", cls.__name__, ", ".join(sorted(extra)))
+            # repr(): a client's field name must never start a log line of its own (newlines).
+            logger.warning("%s: ignoring unknown fields %s", cls.__name__, ", ".join(repr(k)[:80] for k in sorted(extra)))
         return result
 
 

@@ -40,7 +40,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_fanout(request.n, request.best_of)
         model = self.models.resolve(request.model)
         prompts: list[_Prompt] = []
-        for i, p in enumerate(request.prompts()):
+        all_prompts = request.prompts()
+        self.check_num_prompts(len(all_prompts))
+        for i, p in enumerate(all_prompts):
             if isinstance(p, str):
                 ids = await self.encode(p, request.add_special_tokens)
                 text: str | None = p
@@ -54,7 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.truncate_prompt_tokens is not None and len(ids) > request.truncate_prompt_tokens:
                 ids, text = ids[-request.truncate_prompt_tokens :], None
             if not ids:
-                raise BadRequest(f"prompt {i} is empty" if len(request.prompts()) > 1 else "the prompt is empty", "prompt")
+                raise BadRequest(f"prompt {i} is empty" if len(all_prompts) > 1 else "the prompt is empty", "prompt")
             prompts.append(_Prompt(text, ids))
 
         explicit = "max_tokens" in request.model_fields_set

@@ -19,7 +19,7 @@ from tokenmill.metrics import RequestTracker, ServerMetrics
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
-from tokenmill.entrypoints.openai.cli_args import DEFAULT_MAX_N
+from tokenmill.entrypoints.openai.cli_args import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS
 from tokenmill.entrypoints.openai.errors import BadRequest, RequestTimeout, ServiceUnavailable, guess_param
 from tokenmill.entrypoints.openai.render_limits import RenderLimits
 from tokenmill.entrypoints.openai.serving_models import ServedModels
@@ -32,6 +32,7 @@ class ServingLimits:
     """What the operator lets one request ask for (each a server option; see cli_args.py)."""
 
     max_n: int = DEFAULT_MAX_N  # n and best_of
+    max_prompts: int = DEFAULT_MAX_PROMPTS  # prompts in one completions request
     max_prompt_tokens: int | None = None  # None: only the context length limits a prompt
     trust_request_chat_template: bool = False
     render: RenderLimits = field(default_factory=RenderLimits)
@@ -210,6 +211,14 @@ class OpenAIServing:
         for name, value in (("n", n), ("best_of", best_of)):
             if value is not None and value > cap:
                 raise BadRequest(f"{name} must be at most {cap} on this server (its --max-n), got {value}", name)
+
+    def check_num_prompts(self, count: int) -> None:
+        """A completions prompt list within --max-prompts-per-request (checked before any is tokenized)."""
+        if count > self.limits.max_prompts:
+            raise BadRequest(
+                f"prompt holds {count} prompts, more than this server's limit of {self.limits.max_prompts} "
+                "(its --max-prompts-per-request)", "prompt"
+            )
 
     def check_length(self, num_prompt_tokens: int, requested: int | None, default: int | None,
                      what: str = "prompt", param: str = "max_tokens") -> int:
