@@ -93,11 +93,12 @@ class RemoteServer:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM, up to `grace` seconds for a graceful exit, then SIGKILL."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)

@@ -105,14 +105,7 @@ def start_server(args: list[str]) -> RemoteServer:
 
 def kill_server(srv: RemoteServer) -> None:
     """Stop a server that may be wedged: SIGTERM, a short wait, then SIGKILL (no long graceful wait)."""
-    if srv.proc.poll() is None:
-        srv.proc.terminate()
-        try:
-            srv.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            srv.proc.kill()
-            srv.proc.wait(10)
-    srv.log.close()
+    srv.stop(grace=5.0)
 
 
 def error_json_problem(status: int, body: bytes | str, content_type: str | None = None) -> str | None:
