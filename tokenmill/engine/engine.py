@@ -375,7 +375,7 @@ class LLMEngine:
         wrote their slots with partial batches), then the failing requests are aborted and
         RequestFailedError names them. The others' outputs stay exactly what they would have been.
         """
-        failing = self._failing_chunks(scheduled.chunks) if len(scheduled.chunks) > 1 else scheduled.chunks
+        failing = self._failing_chunks(scheduled.chunks)
         requests = self.scheduler.requests
         request_ids = list(dict.fromkeys(self._user_request_id(requests[c.request_id]) for c in failing if c.request_id in requests))
         logger.error("an engine step failed; failing requests %s and recomputing the other %d of the step",

@@ -177,7 +177,7 @@ class StructuredOutputManager:
             except FutureTimeout:
                 raise self._timeout_error(key[0], waited=True) from None
         try:
-            compiled = self._compile(params)
+            compiled = self._compile(params, key)
         except BaseException as exc:
             pending.set_exception(exc)
             raise
@@ -211,8 +211,7 @@ class StructuredOutputManager:
             "counts make grammars slow to compile"
         )
 
-    def _compile(self, params: "StructuredOutputsParams") -> Any:
-        key = params.key()
+    def _compile(self, params: "StructuredOutputsParams", key: tuple[str, str]) -> Any:
         job = compile_job(params)
         try:
             serialized = self.worker.compile(job, self.compile_timeout)
