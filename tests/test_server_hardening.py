@@ -3,8 +3,8 @@
 In process (a scripted fake engine with SmolLM2's real tokenizer and chat template): caps on n / best_of
 and prompt tokens, request-supplied chat templates refused unless trusted, template renders stopped at
 their time and size limits, every body walked once (lone surrogates, deep nesting, integers beyond 64
-bits, NaN are 400s, never 500s), a 500 that gives a request id and no internals, tools refused without
-tool_choice "none", several API keys, and the in-flight limits as a pure ASGI middleware.
+bits, NaN are 400s, never 500s), a 500 that gives a request id and no internals, tool_choice "auto" refused
+without a tool parser, several API keys, and the in-flight limits as a pure ASGI middleware.
 End to end (one `tokenmill serve`): a runaway template stopped at its limit while a plain request is
 served, a malformed Content-Length answered with error JSON, and the in-flight limits with real streams.
 """
@@ -335,13 +335,15 @@ def test_500_gives_a_request_id_and_no_internals(client, engine, caplog):
 # ------------------------------------------------------------------ tools
 
 
-def test_tools_need_tool_choice_none(client):
+def test_auto_tool_choice_needs_a_parser(client):
+    """Without --enable-auto-tool-choice and --tool-call-parser, "auto" (the default with tools) is refused,
+    as vLLM does; "required" and named choices work by structured output (tests/test_tool_calling.py)."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "required"},
-                   {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}):
-        err = _error(client.post("/v1/chat/completions", json={**CHAT, "tools": tools, **choice}), 400, "tools")
-        assert "tool calling is not supported" in err["message"]
-    assert client.post("/v1/chat/completions", json={**CHAT, "tools": tools, "tool_choice": "none"}).status_code == 200
+    for choice in ({}, {"tool_choice": "auto"}):
+        err = _error(client.post("/v1/chat/completions", json={**CHAT, "tools": tools, **choice}), 400, "tool_choice")
+        assert "--enable-auto-tool-choice and --tool-call-parser" in err["message"]
+    for choice in ("none", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        assert client.post("/v1/chat/completions", json={**CHAT, "tools": tools, "tool_choice": choice}).status_code == 200
     assert client.post("/v1/chat/completions", json={**CHAT, "tools": []}).status_code == 200
     _error(client.post("/v1/chat/completions", json={**CHAT, "functions": [{"name": "f"}]}), 400, "functions")
 

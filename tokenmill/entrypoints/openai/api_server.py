@@ -30,6 +30,9 @@ import tokenmill
 from tokenmill.errors import TokenmillError
 from tokenmill.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
+from tokenmill.entrypoints.openai.chat_page import ChatPageMiddleware
+from tokenmill.entrypoints.openai.chat_output import OutputParsing
+from tokenmill.entrypoints.openai.chat_tools import prepare_messages
 from tokenmill.entrypoints.openai.chat_utils import check_request_template, normalize_messages, render_chat_async
 from tokenmill.entrypoints.openai.cli_args import (
     DEFAULT_BODY_READ_TIMEOUT,
@@ -60,11 +63,13 @@ from tokenmill.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenmill.entrypoints.openai.render_limits import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_MAX_RENDER_SECONDS, RenderLimits
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_engine import ServingLimits
 from tokenmill.entrypoints.openai.serving_models import ServedModels
+from tokenmill.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenmill.entrypoints.openai.streaming import run_until_disconnect
 
 logger = logging.getLogger("tokenmill.server")
@@ -89,6 +94,11 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     max_chat_template_render_seconds: float | None = DEFAULT_MAX_RENDER_SECONDS
     max_chat_template_output_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS
+    # Tool calling and reasoning output (vLLM's flags; names from tool_parsers / reasoning_parsers)
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    ui: bool = True  # the chat page at GET / (--no-ui: off)
 
     def serving_limits(self) -> ServingLimits:
         return ServingLimits(
@@ -98,6 +108,10 @@ class ServerSettings:
             trust_request_chat_template=self.trust_request_chat_template,
             render=RenderLimits(self.max_chat_template_render_seconds, self.max_chat_template_output_chars),
         )
+
+    def output_parsing(self) -> OutputParsing:
+        """The tool-call and reasoning parsers (ValueError for an unknown name or a flag without its parser)."""
+        return OutputParsing(self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
 
 
 async def _respond(handler: Awaitable[Response], request_id: str | None) -> Response:
@@ -119,7 +133,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
     limits = settings.serving_limits()
     common = dict(metrics=metrics, request_timeout=settings.request_timeout, limits=limits)
     completions = OpenAIServingCompletion(engine, models, **common)
-    chat = OpenAIServingChat(engine, models, **common)
+    chat = OpenAIServingChat(engine, models, parsing=settings.output_parsing(), **common)
+    responses = OpenAIServingResponses(chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -147,6 +162,16 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await run_until_disconnect(raw, _respond(chat.create(body, raw), request_id_of(raw)))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        return await run_until_disconnect(raw, _respond(responses.create(body, raw), request_id_of(raw)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        # Nothing is stored (store is accepted and ignored), so no response can be retrieved.
+        return error_response(404, "this server stores no responses: a response can only be read from the "
+                                   "answer to its request", "NotFoundError", "response_id")
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -189,7 +214,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
                 raise BadRequest("give either prompt or messages", "prompt")
             if body.messages is not None:
                 check_request_template(body.chat_template, limits.trust_request_chat_template)
-                messages = normalize_messages(body.messages)
+                messages = prepare_messages(normalize_messages(body.messages))
                 text = await render_chat_async(
                     tokenizer, messages,
                     add_generation_prompt=body.add_generation_prompt,
@@ -238,6 +263,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
         )
     if settings.api_keys:
         app.add_middleware(AuthMiddleware, api_keys=settings.api_keys)
+    if settings.ui:  # outside the key check: the page loads first, then sends the key typed into it
+        app.add_middleware(ChatPageMiddleware)
     app.add_middleware(RequestContextMiddleware, access_log=settings.access_log)
     return app
 
@@ -257,6 +284,9 @@ def run_server(args: argparse.Namespace) -> None:
     from tokenmill.entrypoints.cli import engine_config_from_args
 
     logging.getLogger("tokenmill").setLevel(args.log_level.upper())
+    parsing = dict(tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                   reasoning_parser=args.reasoning_parser)
+    OutputParsing(**parsing)  # a bad flag fails before the model loads
     engine = AsyncLLMEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [default_served_name(args, engine)],
@@ -275,6 +305,8 @@ def run_server(args: argparse.Namespace) -> None:
         trust_request_chat_template=args.trust_request_chat_template,
         max_chat_template_render_seconds=args.max_chat_template_render_seconds,
         max_chat_template_output_chars=args.max_chat_template_output_chars,
+        **parsing,
+        ui=not args.no_ui,
     )
     app = build_app(engine, settings)
     config = uvicorn.Config(

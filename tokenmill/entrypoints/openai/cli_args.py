@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from tokenmill.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from tokenmill.entrypoints.openai.render_limits import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_MAX_RENDER_SECONDS
+from tokenmill.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 10 << 20  # 10 MiB
 DEFAULT_MAX_N = 128  # OpenAI's own cap on n
@@ -102,9 +104,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help=f"stop a chat template render that writes more characters, with 400 (default: {DEFAULT_MAX_OUTPUT_CHARS})",
     )
     g.add_argument(
+        "--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+        help="the model's tool-call format, read for tool_choice 'auto' (with --enable-auto-tool-choice): "
+        "hermes (Qwen2.5/3, Hermes), llama3_json, mistral, pythonic (default: none)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="let the model decide when to call tools (tool_choice 'auto', the default when tools are sent); "
+        "needs --tool-call-parser. 'required' and named tool choices work without it (structured output)",
+    )
+    g.add_argument(
+        "--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+        help="split <think>...</think> off into reasoning_content: qwen3, deepseek_r1 (default: none)",
+    )
+    g.add_argument(
         "--timeout-graceful-shutdown", type=_non_negative_float, default=10.0, metavar="SECONDS",
         help="on SIGTERM / SIGINT, let in-flight requests finish for this long, then abort them (default: 10)",
     )
+    g.add_argument("--no-ui", action="store_true", help="no chat page at GET / (default: served, outside the --api-key check)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="tokenmill's log level")
     g.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     g.add_argument("--disable-access-log", action="store_true", help="no log line per request")
@@ -116,8 +133,8 @@ def add_serve_parser(sub) -> None:
     serve = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
-        description="Serve the model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models) "
-        "plus /health, /metrics, /version, /tokenize, /detokenize.",
+        description="Serve the model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/responses, "
+        "/v1/models) plus /health, /metrics, /version, /tokenize, /detokenize, and a chat page at /.",
     )
     add_engine_args(serve)
     add_server_args(serve)

@@ -19,6 +19,7 @@ from pydantic_core import PydanticCustomError
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 from tokenmill.entrypoints.openai.body_checks import find_body_problem
+from tokenmill.entrypoints.openai.chat_tools import ToolChoice, check_tools, resolve_tool_choice
 from tokenmill.entrypoints.openai.errors import INVALID_BODY, BadRequest
 
 logger = logging.getLogger(__name__)
@@ -253,13 +254,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise BadRequest("messages must not be empty", "messages")
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
-        # Refused rather than ignored: a client that sends tools expects tool calls back (as vLLM refuses
-        # what it cannot honour). tool_choice "none" asks for none, and the tools still reach the template.
-        if self.tools and self.tool_choice != "none":
-            raise BadRequest(
-                "tool calling is not supported by this server: send tool_choice 'none' to pass tools to the "
-                "chat template only", "tools",
-            )
+        check_tools(self.tools)
+        self.resolved_tool_choice()
         if self.functions and self.function_call != "none":
             raise BadRequest("function calling is not supported by this server", "functions")
         if self.echo:
@@ -267,14 +263,21 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise BadRequest("continue_final_message and add_generation_prompt cannot both be true", "continue_final_message")
 
+    def resolved_tool_choice(self) -> ToolChoice:
+        """tool_choice as vLLM reads it: "auto" when tools come without one (a 400 for a bad one)."""
+        return resolve_tool_choice(self.tools, self.tool_choice)
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, **overrides: Any) -> SamplingParams:
+        """SamplingParams for the request; `overrides` replace computed fields (the server's output
+        constraint for tool calls or reasoning, skip_special_tokens for a tool parser's markers)."""
         kw = self.sampling_kwargs()
         kw["max_tokens"] = max_tokens
         kw["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        kw.update(overrides)
         return SamplingParams(**kw)
 
 
@@ -383,11 +386,37 @@ class ChatLogProbs(BaseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first has id, type and name; later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None  # the reasoning (--reasoning-parser), as vLLM names it
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -411,7 +440,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, Any]  # {"role": ..., "content": ...}: only the keys this chunk carries
+    # Only the keys this chunk carries: role, content, reasoning_content, tool_calls (DeltaToolCall dicts).
+    delta: dict[str, Any]
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
