@@ -116,15 +116,40 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def sse_events(lines) -> list:
-    """The `data:` payloads of an SSE body (an iterable of lines), as JSON or the string "[DONE]"."""
+RESPONSES_TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def sse_events(lines, responses: bool = False) -> list:
+    """The `data:` payloads of an SSE body (an iterable of lines), as JSON or the string "[DONE]".
+
+    Streams of completions and chat are `data:` lines only (their callers check that [DONE] ends them).
+    responses=True reads a Responses API stream (POST /v1/responses) in OpenAI's framing, and checks it:
+    every event an `event: <type>` line, then a `data:` line whose JSON has that type; no [DONE]; the
+    last event, and only it, response.completed, response.incomplete or response.failed."""
     import json
 
     events = []
+    named = None  # a Responses event's type, from its `event:` line
     for line in lines:
         if not line:
             continue
+        if responses and named is None and line.startswith("event: "):
+            named = line[len("event: "):]
+            continue
         assert line.startswith("data: "), line
         data = line[len("data: "):]
-        events.append(data if data == "[DONE]" else json.loads(data))
+        if not responses:
+            events.append(data if data == "[DONE]" else json.loads(data))
+            continue
+        assert named is not None, f"a data line without its event line: {line[:200]}"
+        assert data != "[DONE]", "a Responses stream ends with its last event, not [DONE]"
+        payload = json.loads(data)
+        assert isinstance(payload, dict) and payload.get("type") == named, f"event {named!r} with data {data[:200]}"
+        events.append(payload)
+        named = None
+    if responses:
+        assert named is None, f"an event line without data: {named!r}"
+        types = [e["type"] for e in events]
+        assert types and types[-1] in RESPONSES_TERMINAL_EVENTS, f"the stream does not end with a terminal event: {types[-3:]}"
+        assert not set(types[:-1]) & set(RESPONSES_TERMINAL_EVENTS), f"a terminal event before the last one: {types}"
     return events

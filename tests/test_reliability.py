@@ -577,8 +577,9 @@ class FuzzFinding:
         return f"[{self.mode}] {self.operation}: {self.problem}\n    {self.curl[:1500]}"
 
 
-def fuzz_problem(status: int, content_type: str, body: bytes, allow_timeout: bool = True) -> str | None:
-    """What is wrong with a fuzz response, or None. allow_timeout: a 504 from --request-timeout is fine."""
+def fuzz_problem(status: int, content_type: str, body: bytes, allow_timeout: bool = True, responses: bool = False) -> str | None:
+    """What is wrong with a fuzz response, or None. allow_timeout: a 504 from --request-timeout is fine.
+    responses: a Responses API stream, in OpenAI's framing (event lines, no [DONE]: see sse_events)."""
     text = body.decode("utf-8", "replace")
     if status >= 500:
         if status == 504 and allow_timeout:  # a legitimately long generation ended by --request-timeout
@@ -591,9 +592,19 @@ def fuzz_problem(status: int, content_type: str, body: bytes, allow_timeout: boo
     if "text/event-stream" in content_type:
         lines = [line for line in text.splitlines() if line]
         try:
-            events = sse_events(lines)
+            events = sse_events(lines, responses=responses)
         except (AssertionError, ValueError) as exc:
             return f"malformed SSE: {exc!r}"
+        if responses:  # an error event, then response.failed: a server error unless the request timed out
+            errors = [e for e in events if e["type"] == "error"]
+            failed = events[-1]["type"] == "response.failed"
+            if errors or failed:
+                timed_out = allow_timeout and [e.get("code") for e in errors] == ["TimeoutError"]
+                if not (failed and len(errors) == 1 and events[-2] is errors[0]):
+                    return f"a failure that is not an error event then response.failed: {json.dumps(events[-2:])[:500]}"
+                if events[-1]["response"]["error"]["code"] == "server_error" and not timed_out:
+                    return f"error event: {json.dumps(errors[0])[:500]}"
+            return None
         if not events or events[-1] != "[DONE]":
             return f"the stream does not end with [DONE]: {lines[-2:]}"
         for e in events[:-1]:
@@ -764,7 +775,8 @@ def run_fuzz(srv: RemoteServer, mode_name: str, cases: int, budget: float,
                 problem = f"the event stream did not end within {FUZZ_CASE_BOUND} s"
             else:
                 # Realistic cases ask for at most 8 tokens (times n <= 3): for them a 504 is a stall, not a long generation.
-                problem = fuzz_problem(response.status_code, content_type, response.content, allow_timeout=mode_name != "realistic")
+                problem = fuzz_problem(response.status_code, content_type, response.content, allow_timeout=mode_name != "realistic",
+                                       responses=label == "POST /v1/responses")
             if problem is None and took > FUZZ_REQUEST_TIMEOUT + 10:
                 problem = f"answered only after {took:.1f} s"
             if problem:

@@ -1,10 +1,13 @@
-"""The Responses API's shapes (POST /v1/responses): text in, text out.
+"""The Responses API's shapes (POST /v1/responses): text, function calls and reasoning.
 
 A request is a chat: `instructions` becomes a system message and `input` the messages after it (a
-string is one user message). to_chat_request() maps it onto a ChatCompletionRequest, so the chat
-template, the sampling parameters and structured output (`text.format` -> `response_format`) run
-through the chat endpoint's own code. What the server cannot honour is a 400 naming the field; what
-OpenAI's defaults make harmless is accepted and ignored (`store`: this server stores nothing).
+string is one user message; function_call and function_call_output items become an assistant
+message's tool_calls and tool messages, a reasoning item the next assistant message's
+reasoning_content). to_chat_request() maps it onto a ChatCompletionRequest, so the chat template,
+the sampling parameters, structured output (`text.format` -> `response_format`) and tool calling
+(flat function `tools` -> chat's nested ones, `tool_choice`, `parallel_tool_calls`) run through the
+chat endpoint's own code. What the server cannot honour is a 400 naming the field; what OpenAI's
+defaults make harmless is accepted and ignored (`store`: this server stores nothing).
 
 The response models follow the shapes of OpenAI's API reference (and of the `openai` client's
 `openai.types.responses`); stream events are plain dicts built by serving_responses.py.
@@ -12,6 +15,7 @@ The response models follow the shapes of OpenAI's API reference (and of the `ope
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -31,10 +35,9 @@ from tokenmill.entrypoints.openai.protocol import (
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 # Content parts that carry text: the user's, and the assistant's own earlier output sent back as history.
 _TEXT_PARTS = ("input_text", "output_text", "text")
-# Input items of tool calling and reasoning: refused until tool calling is wired into this API.
-_TOOL_ITEMS = ("function_call", "function_call_output", "reasoning", "custom_tool_call", "custom_tool_call_output")
-
-TOOLS_NOT_SUPPORTED = "tool calling in the Responses API is not supported yet"
+# Input items of custom (free-form) tools: only function tools are supported.
+_CUSTOM_TOOL_ITEMS = ("custom_tool_call", "custom_tool_call_output")
+_TOOL_CHOICES = ("none", "auto", "required")
 
 
 def _shown(value: Any) -> str:
@@ -110,7 +113,7 @@ class ResponsesRequest(RequestBody):
             raise BadRequest("background responses are not supported: this server stores no responses", "background")
         if self.prompt is not None:
             raise BadRequest("prompt (a stored prompt template) is not supported; send instructions and input", "prompt")
-        # Encrypted reasoning items are asked for by stateless clients; this server makes no reasoning items.
+        # Stateless clients ask for encrypted reasoning; reasoning items here carry their text in the clear.
         asked = [x for x in self.include or [] if x != "reasoning.encrypted_content"]
         if asked:
             raise BadRequest(f"include is not supported (got {_shown(asked)})", "include")
@@ -127,14 +130,12 @@ class ResponsesRequest(RequestBody):
             kind = tool.get("type")
             if kind != "function":
                 raise BadRequest(f"tools[{i}]: tools of type {_shown(kind)} are not supported; only function tools "
-                                 f"are, and {TOOLS_NOT_SUPPORTED}", "tools")
-            if not isinstance(tool.get("name"), str):
-                raise BadRequest(f"tools[{i}]: a function tool needs a string 'name'", "tools")
-        # tool_choice "none" asks for no call: the tools then only reach the chat template (as in chat).
-        if self.tools and self.tool_choice != "none":
-            raise BadRequest(f"{TOOLS_NOT_SUPPORTED}: send tool_choice 'none' to pass tools to the chat template only", "tools")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise BadRequest(f"{TOOLS_NOT_SUPPORTED} (tool_choice {_shown(self.tool_choice)})", "tool_choice")
+                                 "({'type': 'function', 'name': ..., 'parameters': ...}) are", "tools")
+            if not isinstance(tool.get("name"), str) or not tool["name"]:
+                raise BadRequest(f"tools[{i}]: a function tool needs a non-empty string 'name'", "tools")
+            if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+                raise BadRequest(f"tools[{i}].parameters must be a JSON schema object", "tools")
+        self.chat_tool_choice()
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
             raise BadRequest("text.format of type json_schema needs a 'schema'", "text")
@@ -149,7 +150,7 @@ class ResponsesRequest(RequestBody):
             return messages
         if not self.input:
             raise BadRequest("input must not be empty", "input")
-        messages.extend(_input_message(item, i) for i, item in enumerate(self.input))
+        messages.extend(_input_messages(self.input))
         return messages
 
     def response_format(self) -> ResponseFormat | None:
@@ -162,16 +163,31 @@ class ResponsesRequest(RequestBody):
             name=fmt.name, description=fmt.description, schema=fmt.json_schema, strict=fmt.strict))
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
-        """Function tools in chat's shape (they only reach the chat template: tool_choice is "none")."""
+        """Function tools in chat's shape: Responses' flat {"type", "name", ...} nested under "function"."""
         if not self.tools:
             return None
         keys = ("name", "description", "parameters", "strict")
         return [{"type": "function", "function": {k: t[k] for k in keys if t.get(k) is not None}} for t in self.tools]
 
+    def chat_tool_choice(self) -> str | dict[str, Any] | None:
+        """tool_choice in chat's shape: a named function {"type": "function", "name"} nested under "function";
+        chat resolves it (None with tools is "auto", as in OpenAI's API)."""
+        choice = self.tool_choice
+        if choice is None or choice in _TOOL_CHOICES:
+            return choice
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            if not isinstance(choice.get("name"), str) or not choice["name"]:
+                raise BadRequest("a named tool_choice must be {'type': 'function', 'name': ...}", "tool_choice")
+            return {"type": "function", "function": {"name": choice["name"]}}
+        if isinstance(choice, dict):
+            raise BadRequest(f"tool_choice of type {_shown(choice.get('type'))} is not supported; send 'none', 'auto', "
+                             "'required' or {'type': 'function', 'name': ...}", "tool_choice")
+        raise BadRequest(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'name': ...}}, "
+                         f"got {_shown(choice)}", "tool_choice")
+
     def to_chat_request(self) -> ChatCompletionRequest:
         """The chat completions request that produces this response (one choice, not streamed: streaming is
         done by the Responses handler, in its own events)."""
-        tools = self.chat_tools()
         return ChatCompletionRequest(
             model=self.model,
             messages=self.chat_messages(),
@@ -179,8 +195,9 @@ class ResponsesRequest(RequestBody):
             temperature=self.temperature,
             top_p=self.top_p,
             response_format=self.response_format(),
-            tools=tools,
-            tool_choice="none" if tools else None,
+            tools=self.chat_tools(),
+            tool_choice=self.chat_tool_choice(),
+            parallel_tool_calls=self.parallel_tool_calls,
             seed=self.seed,
             stop=self.stop,
             top_k=self.top_k,
@@ -189,14 +206,105 @@ class ResponsesRequest(RequestBody):
         )
 
 
-def _input_message(item: Any, i: int) -> dict[str, Any]:
+def _input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input items as chat messages. A function_call joins the assistant message just before it (the
+    text of the same turn, or the calls made in parallel with it) or starts one; a function_call_output is
+    a tool message and must answer an earlier call; a reasoning item's text becomes the reasoning_content
+    of the assistant message that follows it (templates such as Qwen3's show it in a tool-calling turn)."""
+    messages: list[dict[str, Any]] = []
+    call_ids: set[str] = set()
+    reasoning: list[str] = []  # reasoning items waiting for their assistant message
+
+    def assistant(message: dict[str, Any]) -> dict[str, Any]:
+        if reasoning:
+            message["reasoning_content"] = "\n".join(reasoning)
+            reasoning.clear()
+        return message
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            message = _input_message(item, where)
+            if message["role"] == "assistant":
+                assistant(message)
+            else:
+                reasoning.clear()  # reasoning not followed by an answer is dropped, as templates drop it
+            messages.append(message)
+        elif kind == "function_call":
+            call = _function_call(item, where)
+            call_ids.add(call["id"])
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and not reasoning:
+                last["tool_calls"] = [*(last.get("tool_calls") or []), call]
+            else:
+                messages.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or call_id not in call_ids:
+                raise BadRequest(f"{where}: no function_call item with call_id {_shown(call_id)} comes before this "
+                                 "function_call_output; send the call along with its output", "input")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(item.get("output"), f"{where}.output")})
+        elif kind == "reasoning":
+            reasoning.extend(_reasoning_texts(item, where))
+        elif kind in _CUSTOM_TOOL_ITEMS:
+            raise BadRequest(f"{where}: items of type {kind!r} are not supported: only function tools are", "input")
+        elif kind == "item_reference":
+            raise BadRequest(f"{where}: item references are not supported: this server stores no items; send the "
+                             "items themselves", "input")
+        else:
+            raise BadRequest(f"{where}: items of type {_shown(kind)} are not supported; send messages (role and "
+                             "content), function_call, function_call_output or reasoning items", "input")
+    return messages
+
+
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A function_call item as a chat tool call (its arguments JSON text, checked here to name the item)."""
+    for key in ("call_id", "name"):
+        if not isinstance(item.get(key), str) or not item[key]:
+            raise BadRequest(f"{where}: a function_call item needs a non-empty string {key!r}", "input")
+    arguments = item.get("arguments")
+    if not isinstance(arguments, str):
+        raise BadRequest(f"{where}.arguments must be a JSON string", "input")
+    if arguments.strip():
+        try:
+            json.loads(arguments)
+        except ValueError:
+            raise BadRequest(f"{where}.arguments is not valid JSON", "input") from None
+    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": arguments}}
+
+
+def _text_of(value: Any, where: str) -> str:
+    """A function call's output: a string, or a list of input_text parts (joined as chat joins them)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise BadRequest(f"{where}[{j}]: parts of type {_shown(kind)} are not supported; this server takes "
+                                 "text only (input_text with a string 'text')", "input")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise BadRequest(f"{where} must be a string or a list of input_text parts", "input")
+
+
+def _reasoning_texts(item: dict[str, Any], where: str) -> list[str]:
+    """The reasoning_text parts of a reasoning item (its summary and encrypted content are not the reasoning)."""
+    content = item.get("content") or []
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}.content must be a list of reasoning_text parts", "input")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
+            raise BadRequest(f"{where}.content[{j}] must be {{'type': 'reasoning_text', 'text': str}}", "input")
+        texts.append(part["text"])
+    return texts
+
+
+def _input_message(item: dict[str, Any], where: str) -> dict[str, Any]:
     """One input item (OpenAI's EasyInputMessage or a message item) as a chat message."""
-    where = f"input[{i}]"
-    kind = item.get("type", "message")
-    if kind != "message":
-        if kind in _TOOL_ITEMS:
-            raise BadRequest(f"{where}: items of type {kind!r} are not supported: {TOOLS_NOT_SUPPORTED}", "input")
-        raise BadRequest(f"{where}: items of type {_shown(kind)} are not supported; send messages (role and content)", "input")
     role = item.get("role")
     if not isinstance(role, str) or role not in _ROLES:
         raise BadRequest(f"{where}.role must be one of {', '.join(_ROLES)}; got {_shown(role)}", "input")
@@ -239,6 +347,33 @@ class OutputMessage(BaseModel):
     content: list[OutputText] = Field(default_factory=list)
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """The model's reasoning (--reasoning-parser), in the clear: vLLM's shape, no summary."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class FunctionCallItem(BaseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
+
+
 class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
@@ -277,7 +412,7 @@ class ResponsesResponse(BaseModel):
     error: ResponseError | None = None
     instructions: str | None = None
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     temperature: float = 1.0
     top_p: float = 1.0

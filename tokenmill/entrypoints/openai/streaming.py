@@ -67,7 +67,7 @@ class SSEResponse(StreamingResponse):
         if cancelled and not stream_was_done:
             # The request is aborted (its generator is closed): end the stream properly with an error event.
             logger.info("stream ended by the server shutting down")
-            tail = sse(error_body(503, "the server is shutting down: the request was aborted")) + DONE
+            tail = self.shutdown_tail("the server is shutting down: the request was aborted")
             try:
                 if not self._started:
                     await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -78,6 +78,11 @@ class SSEResponse(StreamingResponse):
             logger.info("client disconnected during a stream: request aborted")
 
     _started = False
+
+    def shutdown_tail(self, message: str) -> str:
+        """What ends a stream cut short by the server shutting down (a 503 error event, then [DONE]);
+        the Responses API ends its streams its own way."""
+        return sse(error_body(503, message)) + DONE
 
     async def _stream(self, send: Send) -> None:
         async def tracked(message) -> None:
