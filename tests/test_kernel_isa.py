@@ -8,7 +8,8 @@ For each level, a build with TOKENMILL_CPU_MARCH=<level> in a temporary TORCH_EX
     x86-64-v3   AVX2 + FMA + F16C: 8-lane Vec            (in the default run)
     x86-64-v4   AVX-512 F/BW/CD/DQ/VL: 16-lane Vec
 
-Each runs the kernel tests of tests/test_layers.py and all of tests/test_kernel_shapes.py in a
+Each runs the kernel tests of tests/test_layers.py and all of tests/test_kernel_shapes.py and
+tests/test_quant_kernels.py in a
 subprocess, and checks that the kernels were really used there (built, loaded, no test skipped,
 the library's `vector_isa` is the level's, its ninja file has the requested -march). A build takes
 about a minute on a small machine, so only x86-64-v3 is in the default run (about 1.5-2 min); the
@@ -129,13 +130,14 @@ def test_kernels_built_for_level_pass(build, level):
 
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-         "tests/test_layers.py", "tests/test_kernel_shapes.py", "-k", f"{LAYER_TESTS} or test_kernel_shapes"],
+         "tests/test_layers.py", "tests/test_kernel_shapes.py", "tests/test_quant_kernels.py",
+         "-k", f"{LAYER_TESTS} or test_kernel_shapes or test_quant_kernels"],
         cwd=ROOT, env=_env(build.root, level), capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
     )  # fmt: skip
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 200, summary  # ~100 of test_layers, ~120 of test_kernel_shapes
+    assert passed and int(passed.group(1)) >= 400, summary  # ~100 of test_layers, ~120 of test_kernel_shapes, ~220 quant
     assert "skipped" not in summary, f"kernel tests skipped (the PyTorch paths ran?): {proc.stdout[-3000:]}"
 
 
@@ -157,10 +159,13 @@ OUTPUTS = r"""
 import sys
 import torch
 from tokenmill.kernels import cpu
+from tokenmill.layers.quantization import quant_utils
 
 assert cpu.cpu_kernels_available()
 torch.manual_seed(0)
 res = {"vector_isa": cpu.vector_isa()}
+wq = torch.randn(200, 576)
+quant = {"int8": quant_utils.quantize_int8(wq), "int4": quant_utils.quantize_int4(wq, 128, False)}
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
     name = str(dtype).split(".")[-1]
     x, r, w = torch.randn(33, 576).to(dtype), torch.randn(33, 576).to(dtype), torch.randn(576).to(dtype)
@@ -181,6 +186,9 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     table = torch.randperm(40)[:36].view(4, 9)
     cpu.paged_decode_attention(out, qd, kc, vc, torch.arange(4), table, torch.tensor([0, 15, 100, 143]), None, 0.125)
     res[f"attention.{name}"] = out
+    xq = torch.randn(5, 576).to(dtype)
+    res[f"int8_linear.{name}"] = cpu.int8_linear(xq, *quant["int8"], None)
+    res[f"int4_linear.{name}"] = cpu.int4_linear(xq, *quant["int4"], 128, None)
 torch.save(res, sys.argv[1])
 """
 
@@ -214,6 +222,8 @@ def test_levels_agree(build, tmp_path):
                 assert torch.equal(got[key], want), where
             elif op == "lse":
                 torch.testing.assert_close(got[key], want, atol=1e-5, rtol=1e-5, msg=where)
+            elif op in ("int8_linear", "int4_linear") and dtype == "float32":  # sums of 576 products, as in test_quant_kernels
+                torch.testing.assert_close(got[key], want, atol=1e-4, rtol=1e-4, msg=where)
             elif dtype == "float32":
                 torch.testing.assert_close(got[key], want, atol=1e-5, rtol=1e-5, msg=where)
             else:  # one ulp of the dtype, where a float32 difference crossed a rounding boundary

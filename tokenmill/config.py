@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.layers.quantization import check_quantization
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -69,6 +71,13 @@ class ModelConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     skip_tokenizer_init: bool = False
     seed: int = 0
+    # Weights quantized at load: None (the model dtype), "int8" (W8A16) or "int4" (W4A16, group-wise);
+    # quantization_options: int4's {"group_size": 128, "symmetric": False}.
+    quantization: str | None = None
+    quantization_options: dict | None = None
+
+    def __post_init__(self) -> None:
+        check_quantization(self.quantization, self.quantization_options)
 
 
 @dataclass

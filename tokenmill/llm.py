@@ -19,11 +19,19 @@ class LLM:
 
     Keyword arguments are the engine's settings: dtype, max_model_len, block_size,
     kv_cache_memory, memory_fraction, num_kv_blocks, max_num_batched_tokens, max_num_seqs,
-    enable_chunked_prefill, device, seed, tokenizer, skip_tokenizer_init.
+    enable_chunked_prefill, device, seed, tokenizer, skip_tokenizer_init, quantization,
+    quantization_options.
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """An LLM on an engine built from a whole EngineConfig (the command line's spelling)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(config)
+        return llm
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import sys
+from pathlib import Path
 
 from tokenmill.bench.datasets import (
     DATASETS,
@@ -75,9 +76,9 @@ def _add_baseline_args(parser: argparse.ArgumentParser) -> None:
 def add_bench_parser(sub) -> None:
     from tokenmill.entrypoints.cli import add_engine_args
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, latency, startup",
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, latency, startup, perplexity",
                            description="Benchmarks: offline throughput, an OpenAI-compatible server, latency of one batch.")
-    bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve,latency,startup}")
+    bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve,latency,startup,perplexity}")
 
     tp = bsub.add_parser("throughput", help="offline throughput of the engine on a dataset",
                          description="Offline throughput: all requests go to the engine at once (greedy, EOS ignored); "
@@ -103,6 +104,16 @@ def add_bench_parser(sub) -> None:
     _add_baseline_args(lat)
     _add_output_args(lat)
     lat.set_defaults(func=cmd_latency)
+
+    ppl = bsub.add_parser("perplexity", help="perplexity on a fixed text (the cost of quantization in accuracy)",
+                          description="Perplexity through the engine (prompt logprobs) on a fixed text cut into windows, "
+                                      "each scored from its start; the default text is the US Constitution (public domain).")
+    add_engine_args(ppl)
+    g = ppl.add_argument_group("text")
+    g.add_argument("--text", default=None, metavar="PATH", help="a UTF-8 text file (default: the US Constitution shipped with tokenmill)")
+    g.add_argument("--window", type=int, default=512, help="tokens per window (default: 512)")
+    _add_output_args(ppl)
+    ppl.set_defaults(func=cmd_perplexity)
 
     st = bsub.add_parser("startup", help="time from the command to the first token, and to a healthy server",
                          description="Start-up time, each run in a fresh process: command to first token (split into "
@@ -229,6 +240,7 @@ def _engine_info(engine) -> dict:
     return {
         "model": getattr(engine, "model_name", None),
         "dtype": str(engine.dtype).replace("torch.", ""),
+        "quantization": engine.config.model.quantization or "none",
         "device": str(engine.device),
     }
 
@@ -282,6 +294,40 @@ def cmd_startup(args: argparse.Namespace) -> None:
     result = run_startup(engine_kwargs_from_args(args), serve_args_from_args(args), args.num_runs, args.serve)
     result["args"] = args_dict(args)
     print(format_startup(result))
+    write_json(args.json, result)
+
+
+def cmd_perplexity(args: argparse.Namespace) -> None:
+    from tokenmill.bench.perplexity import DEFAULT_TEXT, run_perplexity
+    from tokenmill.bench.report import format_perplexity
+    from tokenmill.entrypoints.cli import engine_config_from_args
+    from tokenmill.llm import LLM
+
+    check_output_path(args.json)
+    if args.window < 2:
+        raise ValueError(f"--window must be at least 2 tokens, got {args.window}")
+    path = Path(args.text) if args.text else DEFAULT_TEXT
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--text {path}: {exc}") from None
+    llm = LLM.from_config(engine_config_from_args(args))
+    if args.window > llm.llm_engine.max_model_len:
+        raise ValueError(f"--window {args.window} is more than the context length {llm.llm_engine.max_model_len}")
+    ppl = run_perplexity(llm, text, args.window)
+    result = {
+        "benchmark": "perplexity",
+        **_engine_info(llm.llm_engine),
+        "text": str(path),
+        "window": args.window,
+        "perplexity": ppl.perplexity,
+        "mean_nll": ppl.mean_nll,
+        "tokens_scored": ppl.tokens_scored,
+        "windows": ppl.windows,
+        "seconds": ppl.seconds,
+        "args": args_dict(args),
+    }
+    print(format_perplexity(result))
     write_json(args.json, result)
 
 

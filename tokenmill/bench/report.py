@@ -16,6 +16,13 @@ def _title(text: str, fill: str = "=") -> str:
     return "{s:{c}^{w}}".format(s=f" {text} " if text else "", c=fill, w=WIDTH)
 
 
+def _model_line(result: dict) -> str:
+    """The model, its dtype, its weights' quantization (when quantized) and the device."""
+    quantization = result.get("quantization", "none")
+    weights = f", {quantization} weights" if quantization != "none" else ""
+    return f"{result['model']} ({result['dtype']}{weights}, {result['device']})"
+
+
 def _row(label: str, value) -> str:
     return f"{label:<40} {value}"
 
@@ -32,7 +39,7 @@ def format_throughput(result: dict) -> str:
     m = result["tokenmill"]
     d = result["dataset"]
     lines = [_title("Offline Throughput Benchmark Result")]
-    lines.append(_row("Model:", f"{result['model']} ({result['dtype']}, {result['device']})"))
+    lines.append(_row("Model:", _model_line(result)))
     lines.append(
         _row(
             "Dataset:",
@@ -80,7 +87,7 @@ def format_throughput(result: dict) -> str:
 def format_latency(result: dict) -> str:
     m = result["tokenmill"]
     lines = [_title("Latency Benchmark Result")]
-    lines.append(_row("Model:", f"{result['model']} ({result['dtype']}, {result['device']})"))
+    lines.append(_row("Model:", _model_line(result)))
     lines.append(_row("Batch:", f"{result['batch_size']} requests x {result['input_len']} prompt tokens, {result['output_len']} output tokens"))
     lines.append(_row("Iterations:", f"{m['num_iters']} (after {result['num_iters_warmup']} warm-up), medians"))
     lines.append(_row("Prefill time (ms):", _num(m["prefill_time_ms"])))
@@ -101,6 +108,19 @@ def format_latency(result: dict) -> str:
         ):
             lines.append(f"{label:<32}{m[key]:>12.3f}{hf[key]:>12.3f}{_ratio(hf[key], m[key]):>10}")
         lines.append("(ratio = HF time / tokenmill time; > 1: tokenmill is faster)")
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+def format_perplexity(result: dict) -> str:
+    lines = [_title("Perplexity Result")]
+    lines.append(_row("Model:", _model_line(result)))
+    lines.append(_row("Text:", result["text"]))
+    lines.append(_row("Windows:", f"{result['windows']} of up to {result['window']} tokens"))
+    lines.append(_row("Tokens scored:", result["tokens_scored"]))
+    lines.append(_row("Mean NLL (nats/token):", _num(result["mean_nll"], 4)))
+    lines.append(_row("Perplexity:", _num(result["perplexity"], 4)))
+    lines.append(_row("Time (s):", _num(result["seconds"])))
     lines.append("=" * WIDTH)
     return "\n".join(lines)
 

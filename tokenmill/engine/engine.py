@@ -24,6 +24,7 @@ from tokenmill.engine.messages import ModelRunnerOutput, ScheduledChunk, Schedul
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import InvalidRequestError, PromptTooLongError, RequestFailedError
+from tokenmill.layers.quantization import get_quantization_config
 from tokenmill.loader import build_model, load_model_source
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams, check_text
@@ -67,7 +68,8 @@ class LLMEngine:
         if max_model_len > model_max:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max}")
 
-        model = build_model(source, self.device, self.dtype, max_model_len)
+        quant_config = get_quantization_config(config.model.quantization, config.model.quantization_options, self.device, self.dtype)
+        model = build_model(source, self.device, self.dtype, max_model_len, quant_config)
         block_size = config.cache.block_size
         self.runner = ModelRunner(model, self.device, self.dtype, block_size)
         num_blocks = self._num_kv_blocks(max_model_len)

@@ -17,6 +17,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument(
+        "--quantization", "-q", default=None, metavar="METHOD",
+        help="quantize the weights at load: int8 (W8A16, per channel) or int4 (W4A16, group-wise); CPU only",
+    )
+    g.add_argument(
+        "--quantization-options", type=_json_object, default=None, metavar="JSON",
+        help='options of the method, e.g. \'{"group_size": 64, "symmetric": true}\' for int4 (default: group 128, asymmetric)',
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -31,6 +39,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="structured output: a grammar that takes longer to compile fails its request with an error naming this limit (default: 10)",
     )
     g.add_argument("--verbose", "-v", action="store_true", help="log engine details to stderr")
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -57,6 +77,8 @@ def engine_config_from_args(args: argparse.Namespace):
         model=args.model,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
+        quantization=args.quantization,
+        quantization_options=args.quantization_options,
         device=args.device,
         max_model_len=args.max_model_len,
         block_size=args.block_size,

@@ -43,7 +43,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent / "cpu"
-_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "sampling.cpp", "pointwise.cpp")]
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "sampling.cpp", "pointwise.cpp", "quant_linear.cpp")]
 _HEADERS = [_DIR / "vec.h"]
 # -ffp-contract=off: no fused multiply-adds the source does not write, so the pointwise ops round as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
@@ -354,6 +354,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotary embedding (neox halves) applied in place to q [T, H, D] and k [T, Hkv, D]; cos/sin [T, D]."""
     torch.ops.tokenmill_cpu.rotary(q, k, cos, sin)
+
+
+def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ (w [N, K] int8 * scale [N])^T + bias, in x's dtype (see quant_linear.cpp)."""
+    return torch.ops.tokenmill_cpu.int8_linear(x, w, scale, bias)
+
+
+def int4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T + bias with W packed as int4 [N, K / 2] with group-wise scale and min (see quant_linear.cpp)."""
+    return torch.ops.tokenmill_cpu.int4_linear(x, w, scale, min_, group_size, bias)
+
+
+def int8_dequantize(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float [N, K] weight of an int8 one, in dtype."""
+    return torch.ops.tokenmill_cpu.int8_dequantize(w, scale, torch.empty(0, dtype=dtype))
+
+
+def int4_dequantize(w: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float [N, K] weight of a packed int4 one, in dtype."""
+    return torch.ops.tokenmill_cpu.int4_dequantize(w, scale, min_, group_size, torch.empty(0, dtype=dtype))
 
 
 def vector_isa() -> str:

@@ -131,6 +131,17 @@ inline Vec round_trip(Vec x, const c10::Half*) {
   return {_mm512_cvtph_ps(_mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))};
 }
 
+// Weight-only quantized rows (quant_linear.cpp): W int8 values widened to float32 lanes, and the
+// low and high nibbles of W bytes as two float32 vectors (values 0..15).
+inline Vec load_int8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+inline void load_nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = {_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)))};
+  hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4))};
+}
+
 // One 64-byte cache line from src to dst (64-byte aligned) with a streaming store, and the fence
 // that makes streamed lines visible before later loads.
 inline void stream_line(void* dst, const void* src) {
@@ -209,6 +220,15 @@ inline Vec round_trip(Vec x, const c10::BFloat16*) {
 }
 inline Vec round_trip(Vec x, const c10::Half*) {
   return {_mm256_cvtph_ps(_mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))};
+}
+
+inline Vec load_int8(const int8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+}
+inline void load_nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)))};
+  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4))};
 }
 
 inline void stream_line(void* dst, const void* src) {

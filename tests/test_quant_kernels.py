@@ -1,0 +1,113 @@
+"""The weight-only quantization formats and their CPU kernels against the plain PyTorch reference
+(tokenmill/layers/quantization/quant_utils.py). tests/test_kernel_isa.py runs this file again on
+the AVX2 (and, under -m slow, the AVX-512 and scalar) builds.
+
+Tolerances: the kernels accumulate in float32 in another order than torch's GEMM, so float32
+results agree to ~1e-5 relative; bf16/fp16 results are rounded once from float32 sums that differ
+in the last bits, so they agree within one ulp of the dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.kernels import cpu
+from tokenmill.layers.quantization import quant_utils as Q
+
+pytestmark = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="tokenmill's CPU kernels are not built here")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ROWS = [1, 2, 3, 4, 5, 9]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", [(96, 64), (40, 200), (576, 1536)], ids=str)  # 200: a K that is no multiple of the vector width
+def test_int8_linear_matches_reference(shape, rows, dtype):
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k + rows)
+    q, scale = Q.quantize_int8(torch.randn(n, k, generator=gen))
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    _close(cpu.int8_linear(x, q, scale, bias), Q.int8_linear_reference(x, q, scale, bias))
+    _close(cpu.int8_linear(x, q, scale, None), Q.int8_linear_reference(x, q, scale, None))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("group_size,symmetric", [(32, False), (64, True), (128, False)])
+@pytest.mark.parametrize("shape", [(96, 64), (48, 576), (576, 1536)], ids=str)  # 576 = 4.5 groups of 128: a short last group
+def test_int4_linear_matches_reference(shape, group_size, symmetric, rows, dtype):
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k + rows + group_size)
+    packed, scale, minimum = Q.quantize_int4(torch.randn(n, k, generator=gen), group_size, symmetric)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    want = Q.int4_linear_reference(x, packed, scale, minimum, group_size, bias)
+    _close(cpu.int4_linear(x, packed, scale, minimum, group_size, bias), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dequantize_ops_match_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(80, 576, generator=gen)
+    q, scale = Q.quantize_int8(w)
+    assert torch.equal(cpu.int8_dequantize(q, scale, dtype), Q.dequantize_int8(q, scale).to(dtype))
+    packed, s, m = Q.quantize_int4(w, 128, False)
+    assert torch.equal(cpu.int4_dequantize(packed, s, m, 128, dtype), Q.dequantize_int4(packed, s, m, 128).to(dtype))
+
+
+def test_int4_packing_round_trips():
+    q = torch.randint(0, 16, (7, 96), dtype=torch.uint8)
+    packed = Q.pack_int4(q)
+    assert packed.shape == (7, 48) and packed.dtype == torch.uint8
+    assert torch.equal(Q.unpack_int4(packed), q)
+    # The block layout the kernels read: byte j of a 32-weight block = weight j | weight j + 16 << 4.
+    assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 16]) << 4
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_error_is_at_most_half_a_step(symmetric):
+    w = torch.randn(64, 200 - 8, generator=torch.Generator().manual_seed(1))  # 192: a short last group of 64
+    packed, scale, minimum = Q.quantize_int4(w, 128, symmetric)
+    error = (Q.dequantize_int4(packed, scale, minimum, 128) - w).abs()
+    step = scale.repeat_interleave(128, dim=1)[:, : w.shape[1]]
+    # Symmetric groups clamp the positive end at 7 steps of amax / 7: still within half a step.
+    assert bool((error <= step * 0.5 + 1e-6).all())
+
+
+def test_int4_asymmetric_keeps_weights_already_on_a_4bit_grid():
+    """A checkpoint already quantized to 4 bits per group of 32 (GGUF Q4_1) loses nothing more."""
+    gen = torch.Generator().manual_seed(2)
+    levels = torch.randint(0, 16, (32, 128), generator=gen).float()
+    levels[:, ::32], levels[:, 1::32] = 0.0, 15.0  # every group uses the whole range
+    scale, low = torch.rand(32, 4, generator=gen) + 0.1, torch.randn(32, 4, generator=gen)
+    w = levels * scale.repeat_interleave(32, dim=1) + low.repeat_interleave(32, dim=1)
+    packed, s, m = Q.quantize_int4(w, 32, symmetric=False)
+    torch.testing.assert_close(Q.dequantize_int4(packed, s, m, 32), w, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_error_is_at_most_half_a_step():
+    w = torch.randn(50, 70, generator=torch.Generator().manual_seed(4))
+    q, scale = Q.quantize_int8(w)
+    assert bool(((Q.dequantize_int8(q, scale) - w).abs() <= scale[:, None] * 0.5 + 1e-7).all())
+    assert int(q.abs().max()) == 127
+
+
+def test_bad_shapes_are_errors():
+    q, scale = Q.quantize_int8(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="features"):
+        cpu.int8_linear(torch.randn(2, 32), q, scale, None)
+    packed, s, m = Q.quantize_int4(torch.randn(8, 64), 32, False)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu.int4_linear(torch.randn(2, 64), packed, s, m, 48, None)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Q.quantize_int4(torch.randn(8, 48), 32, False)

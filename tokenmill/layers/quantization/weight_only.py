@@ -1,0 +1,156 @@
+"""Weight-only quantization, quantized at load from any float checkpoint: `int8` (W8A16, per output
+channel) and `int4` (W4A16, group-wise, symmetric or asymmetric). Activations stay in the model dtype.
+
+A decode step (a few rows) runs the CPU kernels, which read the packed weights once and widen
+them in registers; a prompt chunk (many rows) is cheaper as one dequantize to the model dtype and
+the float GEMM, since its cost is the multiply, not the bytes read. The LM head (tied or not) is
+int8 under both methods, as llama.cpp keeps its output matrix at 6-8 bits: it is a fifth of a small
+model's bytes, and 4 bits there cost more accuracy than anywhere else. The input embedding stays
+in the model dtype (it only gathers rows).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.kernels import cpu as cpu_kernels
+from tokenmill.layers.quantization import quant_utils
+from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
+from tokenmill.layers.quantization.unquantized import UnquantizedEmbeddingMethod, is_lm_head
+
+logger = logging.getLogger(__name__)
+
+# Rows up to which the kernels beat dequantize + float GEMM (benchmarks/quant_linear.py measures
+# the crossing: the kernels win up to 8 rows on AVX-512 (Zen 4); at 16 the float GEMM does).
+KERNEL_MAX_ROWS = 8
+
+
+def _float_weight(shape: tuple[int, int], weight_loader: WeightLoader) -> nn.Parameter:
+    """The checkpoint's float weight, loaded as is and quantized after loading."""
+    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    param.weight_loader = weight_loader
+    param.output_dim = 0
+    return param
+
+
+def _free(param: nn.Parameter) -> None:
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    return x.shape[0] <= KERNEL_MAX_ROWS and cpu_kernels.use_cpu_kernels(x)
+
+
+def _store_int8(layer: nn.Module) -> None:
+    qweight, scale = quant_utils.quantize_int8(layer.weight.data)
+    layer.register_buffer("qweight", qweight, persistent=False)
+    layer.register_buffer("weight_scale", scale, persistent=False)
+
+
+def _int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    flat = _flat(x)
+    if _use_kernels(flat):
+        y = cpu_kernels.int8_linear(flat, layer.qweight, layer.weight_scale, bias)
+    elif cpu_kernels.use_cpu_kernels(flat):
+        y = F.linear(flat, cpu_kernels.int8_dequantize(layer.qweight, layer.weight_scale, x.dtype), bias)
+    else:
+        y = F.linear(flat, quant_utils.dequantize_int8(layer.qweight, layer.weight_scale).to(x.dtype), bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Int8LinearMethod(LinearMethodBase):
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
+        layer.weight = _float_weight((sum(output_sizes), input_size), weight_loader)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        _store_int8(layer)
+        _free(layer.weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _int8_linear(layer, x, bias)
+
+
+class Int4LinearMethod(LinearMethodBase):
+    """Group-wise int4. A layer whose input size is no multiple of 32 (the packed block) is int8."""
+
+    def __init__(self, group_size: int, symmetric: bool) -> None:
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.as_int8 = False
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
+        layer.weight = _float_weight((sum(output_sizes), input_size), weight_loader)
+        self.as_int8 = input_size % quant_utils.INT4_BLOCK != 0
+        if self.as_int8:
+            logger.info("%s: %d input features are no multiple of %d; this layer is int8", getattr(layer, "prefix", "a layer"),
+                        input_size, quant_utils.INT4_BLOCK)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.as_int8:
+            _store_int8(layer)
+        else:
+            packed, scale, minimum = quant_utils.quantize_int4(layer.weight.data, self.group_size, self.symmetric)
+            layer.register_buffer("qweight", packed, persistent=False)
+            layer.register_buffer("weight_scale", scale, persistent=False)
+            layer.register_buffer("weight_min", minimum, persistent=False)
+        _free(layer.weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.as_int8:
+            return _int8_linear(layer, x, bias)
+        flat = _flat(x)
+        if _use_kernels(flat):
+            y = cpu_kernels.int4_linear(flat, layer.qweight, layer.weight_scale, layer.weight_min, self.group_size, bias)
+        elif cpu_kernels.use_cpu_kernels(flat):
+            weight = cpu_kernels.int4_dequantize(layer.qweight, layer.weight_scale, layer.weight_min, self.group_size, x.dtype)
+            y = F.linear(flat, weight, bias)
+        else:
+            weight = quant_utils.dequantize_int4(layer.qweight, layer.weight_scale, layer.weight_min, self.group_size)
+            y = F.linear(flat, weight.to(x.dtype), bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Int8LMHeadMethod(UnquantizedEmbeddingMethod):
+    """An LM head (or the embedding it is tied to) whose logits matmul reads an int8 copy.
+
+    The float weight stays: a tied input embedding gathers its rows."""
+
+    def __init__(self) -> None:
+        super().__init__(prepack=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        _store_int8(layer)
+
+    def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return _int8_linear(layer, hidden, None)
+
+
+@dataclass
+class WeightOnlyConfig(QuantizationConfig):
+    """`int8` or `int4` weight-only quantization of every linear layer and the LM head."""
+
+    bits: int = 8
+    group_size: int = 128  # int4 only: input channels per scale
+    symmetric: bool = False  # int4 only: zero stays exact; asymmetric groups use all 16 levels
+
+    def __post_init__(self) -> None:
+        self.name = f"int{self.bits}"
+        if self.bits not in (4, 8):
+            raise ValueError(f"weight-only quantization has 4 or 8 bits, got {self.bits}")
+        if self.bits == 4 and (self.group_size <= 0 or self.group_size % quant_utils.INT4_BLOCK):
+            raise ValueError(f"int4 group_size must be a positive multiple of {quant_utils.INT4_BLOCK} (32, 64, 128...), got {self.group_size}")
+
+    def linear_method(self, prefix: str) -> LinearMethodBase:
+        return Int4LinearMethod(self.group_size, self.symmetric) if self.bits == 4 else Int8LinearMethod()
+
+    def embedding_method(self, prefix: str) -> EmbeddingMethodBase:
+        return Int8LMHeadMethod() if is_lm_head(prefix) else UnquantizedEmbeddingMethod(prepack=False)
