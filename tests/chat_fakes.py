@@ -135,3 +135,28 @@ class ScriptedEngine:
 
     async def abort(self, request_id: str) -> None:
         pass
+
+
+def smollm2_tools_tokenizer():
+    """SmolLM2's tokenizer with the tools chat template (the test skips where the model is not installed)."""
+    import pytest
+
+    from conftest import smollm2_gguf_path
+
+    if smollm2_gguf_path() is None:
+        pytest.skip("the embedded default model is not installed (its tokenizer is used)")
+    from tokenmill.loader.gguf_file import load_gguf_source
+
+    return tools_tokenizer(load_gguf_source(smollm2_gguf_path()).tokenizer)
+
+
+def make_client(engine, **settings):
+    """The official openai client on an in-process app around `engine` (no network, no engine thread)."""
+    import openai
+    from fastapi.testclient import TestClient
+
+    from tokenmill.entrypoints.openai.api_server import ServerSettings, build_app
+
+    app = build_app(engine, ServerSettings(served_model_names=["fake"], **settings), manage_engine=False)
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
+                         http_client=TestClient(app, raise_server_exceptions=False))

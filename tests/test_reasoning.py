@@ -17,16 +17,21 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from fastapi.testclient import TestClient  # noqa: E402
 
-from tokenmill.entrypoints.openai.api_server import ServerSettings, build_app  # noqa: E402
 from tokenmill.entrypoints.openai.chat_output import ChoiceParser  # noqa: E402
 from tokenmill.entrypoints.openai.reasoning_grammar import reasoning_grammar  # noqa: E402
 from tokenmill.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser  # noqa: E402
 from tokenmill.entrypoints.openai.tool_parsers import get_tool_parser  # noqa: E402
 from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
 
-from chat_fakes import WEATHER_TOOL, ScriptedEngine, build_tiny_chat_model, tools_tokenizer  # noqa: E402
+from chat_fakes import (  # noqa: E402
+    WEATHER_TOOL,
+    ScriptedEngine,
+    build_tiny_chat_model,
+    make_client,
+    smollm2_tools_tokenizer,
+    tools_tokenizer,
+)
 from conftest import smollm2_gguf_path  # noqa: E402
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -163,22 +168,13 @@ def test_the_engine_applies_the_grammar(tmp_path):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if smollm2_gguf_path() is None:
-        pytest.skip("the embedded default model is not installed (its tokenizer is used)")
-    from tokenmill.loader.gguf_file import load_gguf_source
-
-    return tools_tokenizer(load_gguf_source(smollm2_gguf_path()).tokenizer)
+    return smollm2_tools_tokenizer()
 
 
 @pytest.fixture()
 def engine(tokenizer):
     return ScriptedEngine(tokenizer)
 
-
-def make_client(engine, **settings):
-    app = build_app(engine, ServerSettings(served_model_names=["fake"], **settings), manage_engine=False)
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
-                         http_client=TestClient(app, raise_server_exceptions=False))
 
 
 def pieces(text: str, size: int = 3) -> list[str]:

@@ -21,10 +21,9 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from fastapi.testclient import TestClient  # noqa: E402
 from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
 
-from tokenmill.entrypoints.openai.api_server import ServerSettings, build_app  # noqa: E402
+from tokenmill.entrypoints.openai.api_server import ServerSettings  # noqa: E402
 from tokenmill.entrypoints.openai.chat_output import OutputParsing  # noqa: E402
 from tokenmill.entrypoints.openai.cli_args import add_server_args  # noqa: E402
 
@@ -34,9 +33,9 @@ from chat_fakes import (  # noqa: E402
     WEATHER_TOOL,
     ScriptedEngine,
     build_tiny_chat_model,
-    tools_tokenizer,
+    make_client,
+    smollm2_tools_tokenizer,
 )
-from conftest import smollm2_gguf_path  # noqa: E402
 from server_utils import RemoteServer  # noqa: E402
 
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
@@ -55,22 +54,13 @@ def pieces(text: str, size: int = 3) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if smollm2_gguf_path() is None:
-        pytest.skip("the embedded default model is not installed (its tokenizer is used)")
-    from tokenmill.loader.gguf_file import load_gguf_source
-
-    return tools_tokenizer(load_gguf_source(smollm2_gguf_path()).tokenizer)
+    return smollm2_tools_tokenizer()
 
 
 @pytest.fixture()
 def engine(tokenizer):
     return ScriptedEngine(tokenizer)
 
-
-def make_client(engine, **settings):
-    app = build_app(engine, ServerSettings(served_model_names=["fake"], **settings), manage_engine=False)
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
-                         http_client=TestClient(app, raise_server_exceptions=False))
 
 
 @pytest.fixture()

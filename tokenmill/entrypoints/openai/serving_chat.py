@@ -38,7 +38,7 @@ from tokenmill.entrypoints.openai.protocol import (
     usage,
 )
 from tokenmill.entrypoints.openai.reasoning_grammar import constrain_answer
-from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, first_output, set_log_usage, stream_outputs
+from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, first_output, last_output, set_log_usage, stream_outputs
 from tokenmill.entrypoints.openai.streaming import DONE, SSEResponse, sse
 
 logger = logging.getLogger(__name__)
@@ -153,13 +153,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             first = await first_output(outputs)
             return SSEResponse(self._stream(request, model, base_id, first[1], outputs, texts, raw, parsers))
-        final: RequestOutput | None = None
-        try:
-            async for _, out in outputs:
-                final = out
-        finally:
-            await outputs.aclose()
-        assert final is not None
+        final = await last_output(outputs)
         response = self._response(request, model, base_id, final, texts, parsers)
         set_log_usage(raw, response.usage.prompt_tokens, response.usage.completion_tokens or 0)
         return Response(response.model_dump_json(), media_type="application/json")

@@ -113,6 +113,18 @@ async def first_output(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> tup
         raise
 
 
+async def last_output(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> RequestOutput:
+    """A non-streamed request's final output (outputs are cumulative); the stream is closed after."""
+    final: RequestOutput | None = None
+    try:
+        async for _, out in outputs:
+            final = out
+    finally:
+        await outputs.aclose()
+    assert final is not None
+    return final
+
+
 async def stream_outputs(requests: list[EngineRequest], deadline: float | None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, cumulative output) as the engine makes them, until every request has finished.
 

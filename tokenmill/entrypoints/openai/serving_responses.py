@@ -51,7 +51,7 @@ from tokenmill.entrypoints.openai.protocol_responses import (
     response_usage,
 )
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
-from tokenmill.entrypoints.openai.serving_engine import first_output, set_log_usage, stream_outputs
+from tokenmill.entrypoints.openai.serving_engine import first_output, last_output, set_log_usage, stream_outputs
 from tokenmill.entrypoints.openai.streaming import SSEResponse
 from tokenmill.entrypoints.openai.tool_parsers import ToolCall
 
@@ -221,18 +221,12 @@ class OpenAIServingResponses:
                 first = await first_output(outputs)
                 stream = _EventStream(self, request, model, response_id, created, parsers)
                 return _ResponsesSSE(stream.run(first[1], outputs, raw), stream)
-            final: RequestOutput | None = None
-            try:
-                async for _, out in outputs:
-                    final = out
-            finally:
-                await outputs.aclose()
+            final = await last_output(outputs)
         except Exception as exc:
             renamed = _in_responses_terms(exc)
             if renamed is exc:
                 raise
             raise renamed from None
-        assert final is not None
         choice = final.outputs[0]
         builder = OutputBuilder()
         if parsers is None:
