@@ -59,6 +59,16 @@ WEATHER_TOOL = {
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The time now"}}
 
 
+def stamp_step(metrics: RequestMetrics, last: bool) -> None:
+    """A fake engine step's times on a request's metrics, as the engine stamps them."""
+    now = time.monotonic()
+    metrics.first_scheduled_time = metrics.first_scheduled_time or now
+    metrics.first_token_time = metrics.first_token_time or now
+    metrics.last_token_time = now
+    if last:
+        metrics.finished_time = now
+
+
 def build_tiny_chat_model(folder: str, tokenizer) -> str:
     """A tiny seeded random Llama over `tokenizer`'s vocabulary (EOS <|im_end|>), saved with the tokenizer."""
     import torch
@@ -123,12 +133,7 @@ class ScriptedEngine:
         for step, piece in enumerate(script, 1):
             text += piece
             last = step == len(script)
-            now = time.monotonic()
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
-            metrics.first_token_time = metrics.first_token_time or now
-            metrics.last_token_time = now
-            if last:
-                metrics.finished_time = now
+            stamp_step(metrics, last)
             reason = (self.finish_reason if len(script) == len(self.script) else "length") if last else None
             outputs = [CompletionOutput(index=i, text=text, token_ids=[7] * step, finish_reason=reason) for i in range(params.n)]
             yield RequestOutput(request_id, None, ids, outputs, finished=last, metrics=metrics)

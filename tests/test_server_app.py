@@ -19,6 +19,7 @@ from tokenmill.errors import EngineDeadError, EngineOverloadedError, InvalidRequ
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
 from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
 
+from chat_fakes import stamp_step  # noqa: E402
 from server_utils import parse_metrics, sse_events  # noqa: E402
 
 
@@ -58,12 +59,7 @@ class FakeEngine:
                     raise RuntimeError("the engine step failed: CUDA error")
                 last = step == params.max_tokens
                 reason = ("abort" if mode == "abort" else "length") if last else None
-                now = time.monotonic()
-                metrics.first_scheduled_time = metrics.first_scheduled_time or now
-                metrics.first_token_time = metrics.first_token_time or now
-                metrics.last_token_time = now
-                if last:
-                    metrics.finished_time = now
+                stamp_step(metrics, last)
                 outputs = [CompletionOutput(index=i, text="x" * step, token_ids=[7] * step, finish_reason=reason)
                            for i in range(params.n)]
                 yield RequestOutput(request_id, None, ids, outputs, finished=last, metrics=metrics)

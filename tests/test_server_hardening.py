@@ -39,6 +39,7 @@ from tokenmill.entrypoints.openai.render_limits import RenderCancelled, RenderLi
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
 
 from conftest import smollm2_gguf_path  # noqa: E402
+from chat_fakes import stamp_step  # noqa: E402
 from server_utils import RemoteServer, sse_events  # noqa: E402
 
 needs_model = pytest.mark.skipif(smollm2_gguf_path() is None, reason="the embedded default model is not installed")
@@ -74,12 +75,7 @@ class FakeEngine:
             if self.mode == "midstream" and step == 2:
                 raise RuntimeError("secret internal detail")
             last = step == params.max_tokens
-            now = time.monotonic()
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
-            metrics.first_token_time = metrics.first_token_time or now
-            metrics.last_token_time = now
-            if last:
-                metrics.finished_time = now
+            stamp_step(metrics, last)
             outputs = [CompletionOutput(index=i, text="x" * step, token_ids=[7] * step, finish_reason="length" if last else None)
                        for i in range(params.n)]
             yield RequestOutput(request_id, None, ids, outputs, finished=last, metrics=metrics)
