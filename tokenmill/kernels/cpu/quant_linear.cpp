@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -130,6 +131,18 @@ inline void int4_dot(const float* x, int64_t K, int64_t G, const uint8_t* w, con
   for (int i = 0; i < MT; ++i) out[i] = sums[i];
 }
 
+// f(std::integral_constant<int, MT>{}) for MT = rows (1 to kRowsPerPass): the dot kernels take
+// their row count as a template argument, so their accumulators stay in registers.
+template <typename F>
+inline void with_row_count(int rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 // x [M, K] widened to float32 once per call (plain loops: at decode sizes ATen's conversion ops
 // cost more in dispatch than the copy itself).
 template <typename T>
@@ -191,12 +204,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     using T = std::remove_pointer_t<decltype(tag)>;
     const std::vector<float> xf = rows_as_float<T>(x);
     y = linear_rows<T>(x, xf, N, bias, [&](int64_t n, int64_t, int rows, const float* xr, float* out) {
-      switch (rows) {
-        case 1: int8_dot<1>(xr, K, wp + n * K, out); break;
-        case 2: int8_dot<2>(xr, K, wp + n * K, out); break;
-        case 3: int8_dot<3>(xr, K, wp + n * K, out); break;
-        default: int8_dot<4>(xr, K, wp + n * K, out); break;
-      }
+      with_row_count(rows, [&](auto mt) { int8_dot<decltype(mt)::value>(xr, K, wp + n * K, out); });
       for (int i = 0; i < rows; ++i) out[i] *= sp[n];
     });
   });
@@ -233,12 +241,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     y = linear_rows<T>(x, xf, N, bias, [&](int64_t n, int64_t m, int rows, const float* xr, float* out) {
       const uint8_t* wr = wp + n * K / 2;
       const float *s = sp + n * groups, *mn = mp + n * groups, *g = gs + m * groups;
-      switch (rows) {
-        case 1: int4_dot<1>(xr, K, G, wr, s, mn, g, out); break;
-        case 2: int4_dot<2>(xr, K, G, wr, s, mn, g, out); break;
-        case 3: int4_dot<3>(xr, K, G, wr, s, mn, g, out); break;
-        default: int4_dot<4>(xr, K, G, wr, s, mn, g, out); break;
-      }
+      with_row_count(rows, [&](auto mt) { int4_dot<decltype(mt)::value>(xr, K, G, wr, s, mn, g, out); });
     });
   });
   return y;

@@ -88,12 +88,17 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Te
     return q * expand(scale) + expand(minimum)
 
 
+def _float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 inside, rounded once to x's dtype: what the kernels compute."""
+    return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
+
+
 def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """What the int8 kernel computes, in plain PyTorch (float32 inside, rounded once to x's dtype)."""
-    return F.linear(x.float(), dequantize_int8(q, scale), None if bias is None else bias.float()).to(x.dtype)
+    """What the int8 kernel computes, in plain PyTorch."""
+    return _float32_linear(x, dequantize_int8(q, scale), bias)
 
 
 def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int,
                           bias: torch.Tensor | None) -> torch.Tensor:
-    w = dequantize_int4(packed, scale, minimum, group_size)
-    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    """What the int4 kernel computes, in plain PyTorch."""
+    return _float32_linear(x, dequantize_int4(packed, scale, minimum, group_size), bias)

@@ -12,6 +12,7 @@ in the model dtype (it only gathers rows).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,15 +57,26 @@ def _store_int8(layer: nn.Module) -> None:
     layer.register_buffer("weight_scale", scale, persistent=False)
 
 
-def _int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel: Callable[[torch.Tensor], torch.Tensor],
+                      dequantized: Callable[[torch.dtype, bool], torch.Tensor]) -> torch.Tensor:
+    """kernel(rows) for a decode step's few rows; otherwise the float GEMM on the weight
+    dequantized to x's dtype (dequantized(dtype, by the C++ kernels or in PyTorch))."""
     flat = _flat(x)
     if _use_kernels(flat):
-        y = cpu_kernels.int8_linear(flat, layer.qweight, layer.weight_scale, bias)
-    elif cpu_kernels.use_cpu_kernels(flat):
-        y = F.linear(flat, cpu_kernels.int8_dequantize(layer.qweight, layer.weight_scale, x.dtype), bias)
+        y = kernel(flat)
     else:
-        y = F.linear(flat, quant_utils.dequantize_int8(layer.qweight, layer.weight_scale).to(x.dtype), bias)
+        y = F.linear(flat, dequantized(x.dtype, cpu_kernels.use_cpu_kernels(flat)), bias)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def dequantized(dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
+        if with_kernels:
+            return cpu_kernels.int8_dequantize(layer.qweight, layer.weight_scale, dtype)
+        return quant_utils.dequantize_int8(layer.qweight, layer.weight_scale).to(dtype)
+
+    return _quantized_linear(x, bias, lambda rows: cpu_kernels.int8_linear(rows, layer.qweight, layer.weight_scale, bias),
+                             dequantized)
 
 
 class Int8LinearMethod(LinearMethodBase):
@@ -107,16 +119,14 @@ class Int4LinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.as_int8:
             return _int8_linear(layer, x, bias)
-        flat = _flat(x)
-        if _use_kernels(flat):
-            y = cpu_kernels.int4_linear(flat, layer.qweight, layer.weight_scale, layer.weight_min, self.group_size, bias)
-        elif cpu_kernels.use_cpu_kernels(flat):
-            weight = cpu_kernels.int4_dequantize(layer.qweight, layer.weight_scale, layer.weight_min, self.group_size, x.dtype)
-            y = F.linear(flat, weight, bias)
-        else:
-            weight = quant_utils.dequantize_int4(layer.qweight, layer.weight_scale, layer.weight_min, self.group_size)
-            y = F.linear(flat, weight.to(x.dtype), bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        quantized = (layer.qweight, layer.weight_scale, layer.weight_min, self.group_size)
+
+        def dequantized(dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
+            if with_kernels:
+                return cpu_kernels.int4_dequantize(*quantized, dtype)
+            return quant_utils.dequantize_int4(*quantized).to(dtype)
+
+        return _quantized_linear(x, bias, lambda rows: cpu_kernels.int4_linear(rows, *quantized, bias), dequantized)
 
 
 class Int8LMHeadMethod(UnquantizedEmbeddingMethod):
