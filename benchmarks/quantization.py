@@ -1,4 +1,4 @@
-"""Weight-only quantization on one model: perplexity and single-request decode speed per method,
+"""Quantization on one model (weight-only, and w8a8): perplexity and single-request decode speed per method,
 against the unquantized model in the same run (the README's quantization table).
 
     python benchmarks/quantization.py [--model PATH] [--dtype auto] [--rounds 3] [--methods "int8,int4 g32"] [--json out.json]
@@ -26,6 +26,7 @@ METHODS = [
     ("int4 g64", "int4", {"group_size": 64}),
     ("int4 g128", "int4", {"group_size": 128}),
     ("int4 g32 sym", "int4", {"group_size": 32, "symmetric": True}),
+    ("w8a8", "w8a8", None),
 ]
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 

@@ -8,9 +8,10 @@ For each level, a build with TOKENMILL_CPU_MARCH=<level> in a temporary TORCH_EX
     x86-64-v3   AVX2 + FMA + F16C: 8-lane Vec            (in the default run)
     x86-64-v4   AVX-512 F/BW/CD/DQ/VL: 16-lane Vec
 
-Each runs the kernel tests of tests/test_layers.py and all of tests/test_kernel_shapes.py and
-tests/test_quant_kernels.py in a
-subprocess, and checks that the kernels were really used there (built, loaded, no test skipped,
+Each runs the kernel tests of tests/test_layers.py, all of tests/test_kernel_shapes.py and
+tests/test_quant_kernels.py, and the `w8a8_kernel` tests of tests/test_w8a8.py (whose x86-64-v4
+build runs the AVX512BW code, x86-64-v4 having no VNNI; -march=native runs VNNI where the CPU has
+it) in a subprocess, and checks that the kernels were really used there (built, loaded, no test skipped,
 the library's `vector_isa` is the level's, its ninja file has the requested -march). A build takes
 about a minute on a small machine, so only x86-64-v3 is in the default run (about 1.5-2 min); the
 others, and the check that all levels give the same numbers, are marked slow.
@@ -130,14 +131,14 @@ def test_kernels_built_for_level_pass(build, level):
 
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-         "tests/test_layers.py", "tests/test_kernel_shapes.py", "tests/test_quant_kernels.py",
-         "-k", f"{LAYER_TESTS} or test_kernel_shapes or test_quant_kernels"],
+         "tests/test_layers.py", "tests/test_kernel_shapes.py", "tests/test_quant_kernels.py", "tests/test_w8a8.py",
+         "-k", f"{LAYER_TESTS} or test_kernel_shapes or test_quant_kernels or w8a8_kernel"],
         cwd=ROOT, env=_env(build.root, level), capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
     )  # fmt: skip
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 400, summary  # ~100 of test_layers, ~120 of test_kernel_shapes, ~220 quant
+    assert passed and int(passed.group(1)) >= 400, summary  # ~100 of test_layers, ~120 of test_kernel_shapes, ~220 quant, ~45 w8a8
     assert "skipped" not in summary, f"kernel tests skipped (the PyTorch paths ran?): {proc.stdout[-3000:]}"
 
 
@@ -189,6 +190,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     xq = torch.randn(5, 576).to(dtype)
     res[f"int8_linear.{name}"] = cpu.int8_linear(xq, *quant["int8"], None)
     res[f"int4_linear.{name}"] = cpu.int4_linear(xq, *quant["int4"], 128, None)
+    res[f"w8a8_linear.{name}"] = cpu.w8a8_linear(torch.randn(7, 576).to(dtype), *cpu.w8a8_pack(quant["int8"][0]), quant["int8"][1], None)
 torch.save(res, sys.argv[1])
 """
 
@@ -218,7 +220,7 @@ def test_levels_agree(build, tmp_path):
         for key, want in ref.items():
             op, dtype = key.split(".")
             where = f"{key}: {level} vs {ref_level}"
-            if op in ("rotary_q", "rotary_k", "residual", "argmax"):
+            if op in ("rotary_q", "rotary_k", "residual", "argmax", "w8a8_linear"):  # w8a8: exact int32 sums, one epilogue
                 assert torch.equal(got[key], want), where
             elif op == "lse":
                 torch.testing.assert_close(got[key], want, atol=1e-5, rtol=1e-5, msg=where)

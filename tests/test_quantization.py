@@ -82,8 +82,8 @@ def test_quantized_weights_replace_the_float_ones(tiny_model_factory):
 
 
 def test_bad_quantization_settings_are_clear_errors():
-    with pytest.raises(ValueError, match=r"'w8a8' is not supported yet; supported: int8, int4"):
-        LLM(quantization="w8a8")
+    with pytest.raises(ValueError, match=r"'gguf' is not supported yet; supported: int8, int4, w8a8"):
+        LLM(quantization="gguf")
     with pytest.raises(ValueError, match=r"unknown quantization 'int3'; supported: int8, int4"):
         LLM(quantization="int3")
     with pytest.raises(ValueError, match=r"unknown quantization option\(s\) 'bits' for 'int4'; allowed: group_size, symmetric"):

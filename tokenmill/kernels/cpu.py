@@ -43,7 +43,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent / "cpu"
-_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "sampling.cpp", "pointwise.cpp", "quant_linear.cpp")]
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "sampling.cpp", "pointwise.cpp", "quant_linear.cpp", "int8_gemm.cpp")]
 _HEADERS = [_DIR / "vec.h"]
 # -ffp-contract=off: no fused multiply-adds the source does not write, so the pointwise ops round as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
@@ -375,6 +375,27 @@ def int8_dequantize(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 def int4_dequantize(w: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """The float [N, K] weight of a packed int4 one, in dtype."""
     return torch.ops.tokenmill_cpu.int4_dequantize(w, scale, min_, group_size, torch.empty(0, dtype=dtype))
+
+
+def w8a8_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 weight [N, K] (-127..127) in the W8A8 GEMM's panel layout, and each channel's sum (see int8_gemm.cpp)."""
+    return torch.ops.tokenmill_cpu.w8a8_pack(w)
+
+
+def w8a8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of x [M, K]: (q int8 [M, K], scale float32 [M]), absmax / 127 per row."""
+    return torch.ops.tokenmill_cpu.w8a8_quantize(x)
+
+
+def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, colsum: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] quantized per row, times the packed int8 weight, rescaled: [M, N] in x's dtype (see int8_gemm.cpp)."""
+    return torch.ops.tokenmill_cpu.w8a8_linear(x, packed, colsum, w_scale, bias)
+
+
+def w8a8_isa() -> str:
+    """The integer dot product the W8A8 GEMM runs: "avx512_vnni", "avx512bw", "avx2" or "scalar"."""
+    return torch.ops.tokenmill_cpu.w8a8_isa()
 
 
 def vector_isa() -> str:

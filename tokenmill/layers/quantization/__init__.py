@@ -20,12 +20,13 @@ from tokenmill.layers.quantization.unquantized import (
     UnquantizedLinearMethod,
     cpu_packed_weights_supported,
 )
+from tokenmill.layers.quantization.w8a8 import W8A8Config
 from tokenmill.layers.quantization.weight_only import WeightOnlyConfig
 
 # The `quantization=` names tokenmill runs, and the options each takes (`quantization_options=`).
-SUPPORTED = {"int8": (), "int4": ("group_size", "symmetric")}
+SUPPORTED = {"int8": (), "int4": ("group_size", "symmetric"), "w8a8": ()}
 # vLLM's names for methods tokenmill does not run yet: refused by name rather than as unknown.
-NOT_YET = ("w8a8", "gguf", "gptq", "awq", "compressed-tensors", "fp8")
+NOT_YET = ("gguf", "gptq", "awq", "compressed-tensors", "fp8")
 
 
 def check_quantization(name: str | None, options: dict[str, Any] | None = None) -> None:
@@ -53,6 +54,8 @@ def get_quantization_config(name: str | None, options: dict[str, Any] | None, de
         return UnquantizedConfig(device, dtype)
     if device.type != "cpu":
         raise ValueError(f"quantization {name!r} runs on CPU only for now (its kernels are CPU kernels); use device='cpu'")
+    if name == "w8a8":
+        return W8A8Config(prepack_lm_head=cpu_packed_weights_supported(device, dtype))
     return WeightOnlyConfig(bits=8 if name == "int8" else 4, **(options or {}))
 
 
@@ -65,6 +68,7 @@ __all__ = [
     "UnquantizedConfig",
     "UnquantizedEmbeddingMethod",
     "UnquantizedLinearMethod",
+    "W8A8Config",
     "WeightOnlyConfig",
     "check_quantization",
     "cpu_packed_weights_supported",

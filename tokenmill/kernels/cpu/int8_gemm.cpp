@@ -1,0 +1,443 @@
+// W8A8 linear layers (CPU): y = x W^T + b with W int8 per output channel and x quantized to int8
+// per row (token) at run time, an int8 x int8 -> int32 GEMM, then y = acc * x_scale[m] * w_scale[n].
+//
+// Why not torch._int_mm: on CPU it calls oneDNN only where the CPU has AVX512-VNNI and otherwise
+// runs a plain triple loop (ATen's _int_mm_out_cpu), so AVX2-only CPUs would get a scalar GEMM;
+// and it returns int32, leaving the rescale to another pass (benchmarks/int8_gemm.py measures it).
+//
+// Formats (layers/quantization/w8a8.py holds the plain PyTorch reference):
+//   weights  q [N, K] int8 in -127..127, scale [N] float32 (quantize_int8, as the `int8` method),
+//            repacked once at load by w8a8_pack into panels of kPanel output channels:
+//              packed[p][g][c][j] = q[p * kPanel + c][4 g + j]   (zero past N and past K)
+//            so one vector load gives 4 consecutive k of kLanes channels, which is what one
+//            VNNI / maddubs+madd step multiplies against 4 activation bytes broadcast to every lane.
+//            w8a8_pack also returns each channel's sum of q (for the VNNI offset below).
+//   activations  per row: scale = absmax / 127 (at least FLT_MIN), q = round_half_even(x / scale)
+//            clamped to -127..127; one pass over each row (absmax, then divide and round while the
+//            row is still in L1), all rows once per call, before the GEMM.
+//
+// The integer multiply, by build (vec.h's TOKENMILL_SIMD and the target's macros):
+//   AVX512-VNNI  _mm512_dpbusd_epi32 multiplies u8 by s8: activations are stored as q + 128 (1..255)
+//                and each channel's result is corrected by 128 * sum_k q_w[n, k] (the standard
+//                trick, exact: VNNI accumulates 4 products into int32 without saturation).
+//   AVX512BW, AVX2  _mm_maddubs_epi16 (u8 x s8 -> pairs summed into saturating int16) then
+//                _mm_madd_epi16 by ones (-> int32). With |q| <= 127 on both sides, the sign trick
+//                (llama.cpp's): multiply |x| by w with x's sign moved onto it; every pair sum is at
+//                most 2 * 127 * 127 = 32258 < 32767, so nothing saturates and no bit of the
+//                activations is given up (7-bit activations would cost accuracy; this costs one
+//                extra op per multiply).
+//   scalar       the same packed layout in plain loops (the reference of the layout).
+// Every build computes the exact int32 sums, and the same float32 epilogue
+//   y = float(acc) * w_scale[n] * x_scale[m] + bias[n]   (three roundings, in this order),
+// rounded once to x's dtype: all builds give the same bits, and so does the PyTorch reference.
+//
+//   (AVX-512F without BW, which no x86-64-v4 CPU is, takes the scalar loops.)
+//
+// Work split: panels of kPanel channels (and, at prompt sizes, blocks of rows, see row_blocks)
+// across threads; inside a task, kMR rows at a time against one panel, accumulators in registers.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using tokenmill_cpu::dispatch_float_types;
+
+#if TOKENMILL_SIMD == 512 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define W8A8_ISA_VNNI512 1
+constexpr int kLanes = 16, kVecs = 4, kMR = 6;  // 24 accumulators + 4 weight vectors + 1 broadcast of 32 registers
+constexpr int kOffset = 128;                    // u8 activations for dpbusd
+constexpr const char* kIsa = "avx512_vnni";
+#elif TOKENMILL_SIMD == 512 && defined(__AVX512BW__)
+#define W8A8_ISA_MADDUBS512 1
+constexpr int kLanes = 16, kVecs = 4, kMR = 4;
+constexpr int kOffset = 0;
+constexpr const char* kIsa = "avx512bw";
+#elif TOKENMILL_SIMD == 256
+#define W8A8_ISA_AVX2 1
+constexpr int kLanes = 8, kVecs = 2, kMR = 4;  // 8 accumulators, 2 weight vectors and 5 temporaries of 16 registers
+                                               // (3 x 2, 2 x 4, 4 x 1, 6 x 1 measured no faster)
+constexpr int kOffset = 0;
+constexpr const char* kIsa = "avx2";
+#else
+constexpr int kLanes = 8, kVecs = 2, kMR = 4;
+constexpr int kOffset = 0;
+constexpr const char* kIsa = "scalar";
+#endif
+constexpr int kPanel = kLanes * kVecs;  // output channels per packed panel
+
+#if defined(W8A8_ISA_VNNI512) || defined(W8A8_ISA_MADDUBS512) || defined(W8A8_ISA_AVX2)
+#define W8A8_SIMD 1
+using tokenmill_cpu::Vec;
+static_assert(Vec::W == kLanes, "the epilogue converts one int32 vector to one float Vec");
+#endif
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+inline int32_t load4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- one step of the integer dot products, per ISA -----------------------------------------------
+
+#if defined(W8A8_ISA_VNNI512)
+using IVec = __m512i;
+struct XBcast {  // 4 activation bytes in every lane
+  __m512i x;
+};
+inline IVec ivec_zero() { return _mm512_setzero_si512(); }
+inline IVec ivec_load(const int8_t* p) { return _mm512_loadu_si512(p); }
+inline XBcast xbcast(const uint8_t* p) { return {_mm512_set1_epi32(load4(p))}; }
+inline IVec dot4(IVec acc, XBcast x, IVec w) {
+  // = _mm512_dpbusd_epi32(acc, x.x, w), written as asm: with the intrinsic, gcc keeps the
+  // accumulators of a tile on the stack and copies them around every step (measured 2x slower).
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x.x), "vm"(w));
+  return acc;
+}
+inline Vec to_float(IVec a) { return {_mm512_cvtepi32_ps(a)}; }
+inline IVec ivec_sub(IVec a, const int32_t* p) { return _mm512_sub_epi32(a, _mm512_loadu_si512(p)); }
+inline void ivec_store(int32_t* p, IVec a) { _mm512_storeu_si512(p, a); }
+inline IVec ivec_load_i32(const int32_t* p) { return _mm512_loadu_si512(p); }
+#elif defined(W8A8_ISA_MADDUBS512)
+using IVec = __m512i;
+struct XBcast {
+  __m512i abs;    // |x| as u8
+  __mmask64 neg;  // the bytes where x < 0
+};
+inline IVec ivec_zero() { return _mm512_setzero_si512(); }
+inline IVec ivec_load(const int8_t* p) { return _mm512_loadu_si512(p); }
+inline XBcast xbcast(const uint8_t* p) {
+  const __m512i x = _mm512_set1_epi32(load4(p));
+  return {_mm512_abs_epi8(x), _mm512_movepi8_mask(x)};
+}
+inline IVec dot4(IVec acc, XBcast x, IVec w) {
+  // AVX-512 has no vpsignb: negate w where x < 0 with a masked subtract.
+  const __m512i signed_w = _mm512_mask_sub_epi8(w, x.neg, _mm512_setzero_si512(), w);
+  const __m512i pairs = _mm512_maddubs_epi16(x.abs, signed_w);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+inline Vec to_float(IVec a) { return {_mm512_cvtepi32_ps(a)}; }
+inline IVec ivec_sub(IVec a, const int32_t* p) { return _mm512_sub_epi32(a, _mm512_loadu_si512(p)); }
+inline void ivec_store(int32_t* p, IVec a) { _mm512_storeu_si512(p, a); }
+inline IVec ivec_load_i32(const int32_t* p) { return _mm512_loadu_si512(p); }
+#elif defined(W8A8_ISA_AVX2)
+using IVec = __m256i;
+struct XBcast {
+  __m256i abs, x;
+};
+inline IVec ivec_zero() { return _mm256_setzero_si256(); }
+inline IVec ivec_load(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline XBcast xbcast(const uint8_t* p) {
+  const __m256i x = _mm256_set1_epi32(load4(p));
+  return {_mm256_abs_epi8(x), x};
+}
+inline IVec dot4(IVec acc, XBcast x, IVec w) {
+  const __m256i pairs = _mm256_maddubs_epi16(x.abs, _mm256_sign_epi8(w, x.x));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline Vec to_float(IVec a) { return {_mm256_cvtepi32_ps(a)}; }
+inline IVec ivec_sub(IVec a, const int32_t* p) {
+  return _mm256_sub_epi32(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void ivec_store(int32_t* p, IVec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
+inline IVec ivec_load_i32(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#endif
+
+// ---- activations: per-row quantize --------------------------------------------------------------
+
+#if defined(W8A8_SIMD)
+// W lanes of q = clamp(round_half_even(v), -127, 127) + offset, stored as W bytes.
+inline void store_q8(uint8_t* dst, Vec v, int offset) {
+#if TOKENMILL_SIMD == 512
+  __m512i q = _mm512_cvtps_epi32(v.v);  // rounds to nearest even (the default MXCSR mode), as torch.round
+  q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+  q = _mm512_add_epi32(q, _mm512_set1_epi32(offset));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q));  // truncates: the low byte
+#else
+  __m256i q = _mm256_cvtps_epi32(v.v);
+  q = _mm256_min_epi32(_mm256_max_epi32(q, _mm256_set1_epi32(-127)), _mm256_set1_epi32(127));
+  q = _mm256_add_epi32(q, _mm256_set1_epi32(offset));
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  // offset is 0 in the AVX2 build (values -127..127: signed saturation keeps them); with 128, 1..255
+  // would need the unsigned pack.
+  const __m128i bytes = offset ? _mm_packus_epi16(words, words) : _mm_packs_epi16(words, words);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), bytes);
+#endif
+}
+#endif
+
+// Quantizes one row of K values into q[0, Kp) (bytes past K hold the quantized zero) and returns its scale.
+template <typename T>
+float quantize_row(const T* x, int64_t K, int64_t Kp, uint8_t* q, int offset) {
+  float amax = 0.f;
+  int64_t k = 0;
+#if defined(W8A8_SIMD)
+  constexpr int W = Vec::W;
+  Vec m = Vec::zero();
+  for (; k + W <= K; k += W) {
+    const Vec v = Vec::load(x + k);
+    m = vmax(m, vmax(v, Vec::zero() - v));
+  }
+  amax = reduce_max(m);
+#endif
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
+  const float scale = std::max(amax / 127.f, FLT_MIN);  // an all-zero row quantizes to zeros
+  k = 0;
+#if defined(W8A8_SIMD)
+  const Vec s = Vec::set1(scale);
+  for (; k + W <= K; k += W) store_q8(q + k, Vec::load(x + k) / s, offset);  // a division, as the reference
+#endif
+  for (; k < K; ++k) {
+    const float r = std::nearbyint(static_cast<float>(x[k]) / scale);
+    q[k] = static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(-127.f, r))) + offset);
+  }
+  for (; k < Kp; ++k) q[k] = static_cast<uint8_t>(offset);
+  return scale;
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, uint8_t* q, float* scales, int offset) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) scales[m] = quantize_row(x + m * K, K, Kp, q + m * Kp, offset);
+  });
+}
+
+// ---- the GEMM -----------------------------------------------------------------------------------
+
+struct Epilogue {
+  const int32_t* comp;    // [Np] kOffset * sum_k q_w[n, k] (zeros past N)
+  const float* w_scale;   // [Np] (zeros past N)
+  const float* bias;      // [Np] or nullptr
+  const float* x_scale;   // [M]
+  int64_t N;
+};
+
+// y = float(acc) * w_scale[n] * x_scale[m] + bias[n], in float32, rounded once to T.
+template <typename T>
+inline T epilogue_one(int32_t acc, int64_t m, int64_t n, const Epilogue& e) {
+  float y = static_cast<float>(acc - e.comp[n]) * e.w_scale[n] * e.x_scale[m];
+  if (e.bias) y = y + e.bias[n];
+  return static_cast<T>(y);
+}
+
+// Rows [m, m + MR) of y against one panel (channels [n0, n0 + kPanel)): xq rows of Kp bytes,
+// panel Kp * kPanel bytes.
+template <int MR, typename T>
+inline void tile(const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, int64_t n0, const Epilogue& e, T* y) {
+  const int64_t groups = Kp / 4;
+#if defined(W8A8_SIMD)
+  IVec acc[MR][kVecs];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = ivec_zero();
+  const uint8_t* xr = xq + m * Kp;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* wp = panel + g * (4 * kPanel);
+    IVec w[kVecs];
+    for (int v = 0; v < kVecs; ++v) w[v] = ivec_load(wp + v * 4 * kLanes);
+    for (int r = 0; r < MR; ++r) {
+      const XBcast x = xbcast(xr + r * Kp + 4 * g);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = dot4(acc[r][v], x, w[v]);
+    }
+  }
+  // The sums leave the registers through a buffer: indexing acc in the epilogue's loops (which
+  // stop at the layer's last channel) would make gcc keep acc in memory during the K loop too.
+  alignas(64) int32_t sums[MR][kVecs][kLanes];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kVecs; ++v) ivec_store(sums[r][v], acc[r][v]);
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t n = n0 + v * kLanes;
+    if (n >= e.N) break;
+    const Vec ws = Vec::load(e.w_scale + n);
+    const Vec b = e.bias ? Vec::load(e.bias + n) : Vec::zero();
+    for (int r = 0; r < MR; ++r) {
+      Vec out = to_float(ivec_sub(ivec_load_i32(sums[r][v]), e.comp + n)) * ws * Vec::set1(e.x_scale[m + r]);
+      if (e.bias) out = out + b;
+      T* yr = y + (m + r) * e.N + n;
+      if (n + kLanes <= e.N) {
+        store(yr, out);
+      } else {  // the last channels of the layer
+        float tmp[kLanes];
+        store(tmp, out);
+        for (int64_t j = 0; j < e.N - n; ++j) yr[j] = static_cast<T>(tmp[j]);
+      }
+    }
+  }
+#else
+  int32_t acc[MR][kPanel] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* wp = panel + g * (4 * kPanel);
+    for (int r = 0; r < MR; ++r) {
+      const uint8_t* x = xq + (m + r) * Kp + 4 * g;
+      for (int c = 0; c < kPanel; ++c)
+        for (int j = 0; j < 4; ++j)
+          acc[r][c] += static_cast<int32_t>(static_cast<int8_t>(x[j])) * static_cast<int32_t>(wp[c * 4 + j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < kPanel && n0 + c < e.N; ++c) y[(m + r) * e.N + n0 + c] = epilogue_one<T>(acc[r][c], m + r, n0 + c, e);
+#endif
+}
+
+// tile<rows> for rows = 1..MR (the accumulators stay in registers only with a compile-time row count).
+template <int MR, typename T>
+inline void tile_rows(int rows, const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, int64_t n0, const Epilogue& e,
+                      T* y) {
+  if constexpr (MR == 1) {
+    tile<1>(xq, Kp, panel, m, n0, e, y);
+  } else if (rows == MR) {
+    tile<MR>(xq, Kp, panel, m, n0, e, y);
+  } else {
+    tile_rows<MR - 1>(rows, xq, Kp, panel, m, n0, e, y);
+  }
+}
+
+void check_packed(const at::Tensor& packed, const at::Tensor& colsum, int64_t N, int64_t K, const char* op) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, Kp = round_up(K, 4);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(0) == panels &&
+                  packed.size(1) == Kp * kPanel,
+              op, ": packed weight must be w8a8_pack's output for ", N, " channels of ", K, " inputs (this build packs panels of ",
+              kPanel, " channels)");
+  TORCH_CHECK(colsum.dim() == 1 && colsum.size(0) == N && colsum.scalar_type() == at::kInt && colsum.is_contiguous(),
+              op, ": colsum must be int32 [N]");
+}
+
+// Tasks are (panel, block of rows) pairs, split evenly across threads in contiguous runs. The
+// blocks of rows per panel: the fewest that leave the busiest thread within 2% of an even share,
+// trying up to 8 (e.g. SmolLM2's 9 panels of 64 channels on 2 threads: 2 blocks at prompt sizes,
+// rather than one thread doing 5 panels and the other 4). A block has at least 4 tiles of rows:
+// each block streams its panel's weights again, which costs more than the imbalance at decode sizes.
+inline int64_t row_blocks(int64_t panels, int64_t row_tiles, int64_t threads) {
+  int64_t best = 1;
+  double best_cost = 0.0;
+  for (int64_t b = 1; b <= std::min<int64_t>(row_tiles / 4, 8); ++b) {
+    const int64_t tasks = panels * b, per_thread = (tasks + threads - 1) / threads;
+    const double cost = static_cast<double>(per_thread * threads) / static_cast<double>(tasks);  // 1: even
+    if (b == 1 || cost < best_cost - 0.02) {
+      best = b;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+// ---- ops ----------------------------------------------------------------------------------------
+
+// The int8 weight [N, K] (-127..127) in this build's panel layout, and each channel's sum.
+std::tuple<at::Tensor, at::Tensor> w8a8_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "w8a8_pack: w must be int8 [N, K]");
+  const at::Tensor wc = w.contiguous();
+  // -128 would break the sign trick of the maddubs builds (and is no symmetric int8 value).
+  TORCH_CHECK(wc.numel() == 0 || wc.min().item<int8_t>() != -128, "w8a8_pack: weights must be in -127..127 (symmetric int8)");
+  const int64_t N = wc.size(0), K = wc.size(1), Kp = round_up(K, 4), panels = (N + kPanel - 1) / kPanel;
+  at::Tensor packed = at::zeros({panels, Kp * kPanel}, wc.options());
+  at::Tensor colsum = at::empty({N}, wc.options().dtype(at::kInt));
+  const int8_t* src = wc.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  int32_t* sums = colsum.data_ptr<int32_t>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      int8_t* panel = dst + (n / kPanel) * Kp * kPanel;
+      const int64_t c = n % kPanel;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const int8_t v = src[n * K + k];
+        panel[(k / 4) * 4 * kPanel + c * 4 + k % 4] = v;
+        sum += v;
+      }
+      sums[n] = sum;
+    }
+  });
+  return {packed, colsum};
+}
+
+// Per-row symmetric int8 of x [M, K]: (q int8 [M, K], scale float32 [M]), the format the GEMM reads.
+std::tuple<at::Tensor, at::Tensor> w8a8_quantize(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "w8a8_quantize: x must be [rows, features]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  at::Tensor q = at::empty({M, K}, xc.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({M}, xc.options().dtype(at::kFloat));
+  dispatch_float_types(xc.scalar_type(), "w8a8_quantize", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    quantize_rows<T>(xc.data_ptr<T>(), M, K, K, reinterpret_cast<uint8_t*>(q.data_ptr<int8_t>()), scale.data_ptr<float>(), 0);
+  });
+  return {q, scale};
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum, const at::Tensor& w_scale,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "w8a8_linear: x must be [rows, in_features]");
+  TORCH_CHECK(w_scale.dim() == 1 && w_scale.scalar_type() == at::kFloat, "w8a8_linear: w_scale must be float32 [N]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = w_scale.size(0), Kp = round_up(K, 4);
+  check_packed(packed, colsum, N, K, "w8a8_linear");
+  const int64_t panels = packed.size(0), Np = panels * kPanel;
+
+  // Per-channel vectors padded to whole panels, so the vector epilogue never reads past them.
+  std::vector<float> ws(Np, 0.f), bs;
+  std::vector<int32_t> comp(Np, 0);
+  const at::Tensor wsc = w_scale.contiguous();
+  std::copy(wsc.data_ptr<float>(), wsc.data_ptr<float>() + N, ws.begin());
+  const int32_t* cs = colsum.data_ptr<int32_t>();
+  for (int64_t n = 0; n < N; ++n) comp[n] = kOffset * cs[n];
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "w8a8_linear: bias must be [out_features]");
+    const at::Tensor b = bias->to(at::kFloat).contiguous();
+    bs.assign(Np, 0.f);
+    std::copy(b.data_ptr<float>(), b.data_ptr<float>() + N, bs.begin());
+  }
+
+  at::Tensor y = at::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return y;
+  std::unique_ptr<uint8_t[]> xq(new uint8_t[M * Kp]);  // every byte is written by quantize_rows
+  std::vector<float> xs(M);
+  dispatch_float_types(xc.scalar_type(), "w8a8_linear", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    quantize_rows<T>(xc.data_ptr<T>(), M, K, Kp, xq.get(), xs.data(), kOffset);
+    const Epilogue e{comp.data(), ws.data(), bs.empty() ? nullptr : bs.data(), xs.data(), N};
+    const int64_t row_tiles = (M + kMR - 1) / kMR;
+    const int64_t blocks = row_blocks(panels, row_tiles, at::get_num_threads());
+    const int64_t rows_per_block = (row_tiles + blocks - 1) / blocks * kMR;
+    const int8_t* pw = packed.data_ptr<int8_t>();
+    T* yp = y.data_ptr<T>();
+    at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p = t / blocks, m0 = (t % blocks) * rows_per_block, m1 = std::min(M, m0 + rows_per_block);
+        for (int64_t m = m0; m < m1; m += kMR)
+          tile_rows<kMR>(static_cast<int>(std::min<int64_t>(kMR, m1 - m)), xq.get(), Kp, pw + p * Kp * kPanel, m, p * kPanel, e, yp);
+      }
+    });
+  });
+  return y;
+}
+
+std::string w8a8_isa() { return kIsa; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("w8a8_pack(Tensor w) -> (Tensor, Tensor)");
+  m.def("w8a8_quantize(Tensor x) -> (Tensor, Tensor)");
+  m.def("w8a8_linear(Tensor x, Tensor packed, Tensor colsum, Tensor w_scale, Tensor? bias) -> Tensor");
+  m.def("w8a8_isa() -> str", &w8a8_isa);
+  m.impl("w8a8_pack", c10::DispatchKey::CPU, &w8a8_pack);
+  m.impl("w8a8_quantize", c10::DispatchKey::CPU, &w8a8_quantize);
+  m.impl("w8a8_linear", c10::DispatchKey::CPU, &w8a8_linear);
+}
