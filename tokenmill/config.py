@@ -142,6 +142,65 @@ class StructuredOutputsConfig:
             raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# vLLM's names for proposers tokenmill does not run yet: refused by name rather than as unknown.
+_SPECULATIVE_NOT_YET = ("medusa", "eagle", "eagle3", "mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): a proposer guesses up to num_speculative_tokens
+    next tokens per request, and one forward pass of the model verifies them all."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    # ngram (prompt lookup): the longest suffix of prompt + output between these lengths that occurs earlier.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # No proposals while this many requests or more run: verification only pays at small batches.
+    disable_by_batch_size: int | None = 8
+    # draft_model: the draft's folder or .gguf file, or "self" for the target's own weights, and the
+    # draft's weight quantization ("self" defaults to int4: a quantized copy of the target as its draft).
+    model: str | None = None
+    quantization: str | None = None
+    quantization_options: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.method in _SPECULATIVE_NOT_YET:
+            raise ValueError(f"speculative method {self.method!r} is not supported yet; supported: {', '.join(SPECULATIVE_METHODS)}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; supported: {', '.join(SPECULATIVE_METHODS)}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1 or None, got {self.disable_by_batch_size}")
+        if self.method == "draft_model":
+            if not self.model:
+                raise ValueError('speculative method "draft_model" needs "model": a draft model\'s folder or .gguf file, or "self"')
+            if self.model == "self" and self.quantization is None:
+                # Group 32: the closest int4 copy (group 128 costs SmolLM2 far more perplexity; see the README).
+                self.quantization, self.quantization_options = "int4", {"group_size": 32, **(self.quantization_options or {})}
+            check_quantization(self.quantization, self.quantization_options)
+        elif self.model is not None or self.quantization is not None or self.quantization_options is not None:
+            raise ValueError(f'"model" and "quantization" belong to the draft_model method, not {self.method!r}')
+
+    @classmethod
+    def from_dict(cls, values: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """vLLM's dict spelling; unknown keys are an error naming the allowed ones."""
+        if values is None or isinstance(values, SpeculativeConfig):
+            return values
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; allowed: {', '.join(cls.__dataclass_fields__)}")
+        return cls(**values)
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -149,6 +208,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     device: str = "auto"
 
     @classmethod
@@ -158,12 +218,13 @@ class EngineConfig:
                  "structured_outputs": StructuredOutputsConfig}
         values: dict[str, dict] = {name: {} for name in parts}
         device = kwargs.pop("device", "auto")
+        speculative = SpeculativeConfig.from_dict(kwargs.pop("speculative_config", None))
         for key, value in kwargs.items():
             for name, klass in parts.items():
                 if key in klass.__dataclass_fields__:
                     values[name][key] = value
                     break
             else:
-                allowed = sorted(f for klass in parts.values() for f in klass.__dataclass_fields__) + ["device"]
+                allowed = sorted(f for klass in parts.values() for f in klass.__dataclass_fields__) + ["device", "speculative_config"]
                 raise TypeError(f"unknown engine argument {key!r}; allowed: {', '.join(allowed)}")
-        return cls(**{name: klass(**values[name]) for name, klass in parts.items()}, device=device)
+        return cls(**{name: klass(**values[name]) for name, klass in parts.items()}, speculative=speculative, device=device)

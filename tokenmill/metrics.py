@@ -81,6 +81,17 @@ class _EngineStatsCollector:
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits)
+        spec = getattr(s, "spec_decode", None)
+        if spec is not None:
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens)
+            per_pos = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.", labels=["model_name", "position"]
+            )
+            for position, count in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric([self._model_name, str(position)], count)
+            yield per_pos
 
 
 class ServerMetrics:

@@ -23,6 +23,7 @@ from tokenmill.bench.datasets import (
     describe,
     ids_to_text,
     length_range,
+    edit_dataset,
     prefix_dataset,
     random_dataset,
     sharegpt_dataset,
@@ -36,10 +37,12 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("requests")
     g.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=DATASETS,
                    help="random: random token ids; sharegpt: a ShareGPT JSON file (--dataset-path); "
-                        "prefix: requests sharing a long common prefix (default: random)")
+                        "prefix: requests sharing a long common prefix; edit: chat requests to copy a passage of "
+                        "shipped text with one word changed (where speculative decoding's prompt lookup pays; "
+                        "--input-len sets the passage length) (default: random)")
     g.add_argument("--dataset-path", default=None, help="the ShareGPT-format JSON file for --dataset sharegpt")
     g.add_argument("--num-prompts", type=int, default=32, help="number of requests (default: 32)")
-    g.add_argument("--input-len", type=int, default=128, help="random: prompt tokens per request (default: 128)")
+    g.add_argument("--input-len", type=int, default=128, help="random: prompt tokens per request; edit: passage tokens (default: 128)")
     g.add_argument("--output-len", type=int, default=128, help="random, prefix: output tokens per request (default: 128)")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random: draw lengths uniformly from [len*(1-r), len*(1+r)] (default: 0, fixed lengths)")
@@ -186,6 +189,8 @@ def build_requests(args: argparse.Namespace, tokenizer, vocab_size: int, exclude
         return prefix_dataset(
             args.num_prompts, vocab_size, args.prefix_len, args.suffix_len, args.output_len, args.seed, args.num_prefixes, exclude
         )
+    if args.dataset == "edit":
+        return edit_dataset(tokenizer, args.num_prompts, args.input_len, args.seed)
     return sharegpt_dataset(args.dataset_path, tokenizer, args.num_prompts, args.seed, args.sharegpt_output_len, max_model_len)
 
 

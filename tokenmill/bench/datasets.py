@@ -1,4 +1,4 @@
-"""Benchmark requests: random token ids, ShareGPT conversations, a long shared prefix.
+"""Benchmark requests: random token ids, ShareGPT conversations, a long shared prefix, text edits.
 
 Pure functions of their arguments (and a seed): no model, no engine. Every request is a
 SampleRequest holding its prompt as token ids (exact lengths) and, where there is one, as text.
@@ -11,12 +11,18 @@ import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from tokenmill.errors import TokenmillError
 
-DATASETS = ("random", "sharegpt", "prefix")
+DATASETS = ("random", "sharegpt", "prefix", "edit")
+
+# The edit dataset's text and instruction: the answer copies most of the passage, the workload where
+# prompt lookup (speculative decoding's ngram proposer) pays, as in editing or summarising a given text.
+EDIT_TEXT = Path(__file__).parent / "data" / "us_constitution.txt"
+EDIT_INSTRUCTION = 'Copy the following text exactly, but write "will" in place of "shall". Write nothing else.\n\n'
 
 # vLLM's ShareGPT filter (benchmarks/datasets.py is_valid_sequence): very short prompts or
 # completions are dropped, and so are long ones.
@@ -123,6 +129,33 @@ def prefix_dataset(
     for i in range(num_prompts):
         suffix = [firsts[i]] + rng.choice(allowed, size=suffix_len - 1).tolist()
         requests.append(SampleRequest(prefixes[i % num_prefixes] + suffix, output_len))
+    return requests
+
+
+def edit_dataset(tokenizer, num_prompts: int, passage_len: int, seed: int = 0) -> list[SampleRequest]:
+    """num_prompts chat requests, each asking to copy a passage of the shipped text (paragraphs joined up
+    to about passage_len tokens) with one word changed; the output length is the passage's length."""
+    check_at_least("--num-prompts", num_prompts, 1)
+    check_at_least("--input-len", passage_len, 16)
+    if tokenizer is None or not hasattr(tokenizer, "apply_chat_template"):
+        raise TokenmillError("--dataset edit needs a tokenizer with a chat template, and this model has none")
+    paragraphs = [p.strip() for p in EDIT_TEXT.read_text(encoding="utf-8").split("\n\n") if len(p.strip()) > 80]
+    lengths = [len(tokenizer.encode(p, add_special_tokens=False)) for p in paragraphs]
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_prompts):
+        index = rng.randrange(len(paragraphs))
+        passage, length = [paragraphs[index]], lengths[index]
+        while length < passage_len and index + 1 < len(paragraphs):
+            index += 1
+            passage.append(paragraphs[index])
+            length += lengths[index]
+        text = "\n\n".join(passage)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": EDIT_INSTRUCTION + text}], tokenize=False, add_generation_prompt=True
+        )
+        ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        requests.append(SampleRequest(ids, len(tokenizer.encode(text, add_special_tokens=False)), prompt=prompt))
     return requests
 
 

@@ -35,6 +35,19 @@ def _ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs > 0 else "-"
 
 
+def _spec_decode_lines(spec: dict | None) -> list[str]:
+    """Speculative decoding's figures, when it ran (vLLM's names: acceptance rate, mean acceptance length)."""
+    if spec is None:
+        return []
+    per_pos = ", ".join(f"{n}" for n in spec["accepted_per_pos"]) or "-"
+    return [
+        _row("Spec decode drafts:", f"{spec['num_drafts']} ({spec['num_draft_tokens']} tokens)"),
+        _row("Spec decode acceptance rate:", f"{100 * spec['acceptance_rate']:.1f}%"),
+        _row("Spec decode mean accepted len:", _num(spec["mean_accepted_length"])),
+        _row("Accepted per draft position:", per_pos),
+    ]
+
+
 def format_throughput(result: dict) -> str:
     m = result["tokenmill"]
     d = result["dataset"]
@@ -60,7 +73,9 @@ def format_throughput(result: dict) -> str:
     lines.append(_row("Median TTFT (ms):", _num(m["median_ttft_ms"])))
     lines.append(_row("P99 TTFT (ms):", _num(m["p99_ttft_ms"])))
     lines.append(_row("Prefix cache hit rate:", f"{100 * m['prefix_cache_hit_rate']:.1f}% of {m['prefix_cache_queries']} prompt tokens"))
+    lines.append(_row("Median TPOT (ms):", _num(m.get("median_tpot_ms", 0.0))))
     lines.append(_row("Preemptions:", m["num_preemptions"]))
+    lines.extend(_spec_decode_lines(m.get("spec_decode")))
     hf = result.get("hf")
     if hf is not None:
         lines.append(_title("HF transformers baseline", "-"))

@@ -32,6 +32,7 @@ def run_throughput(engine, requests: list[SampleRequest], ignore_eos: bool = Tru
     add_time: dict[str, float] = {}
     first_token: dict[str, float] = {}
     output_tokens: dict[str, int] = {}
+    finish_time: dict[str, float] = {}
     peak_usage = before.kv_cache_usage
     num_steps = 0
     start = time.perf_counter()
@@ -54,6 +55,7 @@ def run_throughput(engine, requests: list[SampleRequest], ignore_eos: bool = Tru
                         first_token[rid] = now
                     if out.finished:
                         output_tokens[rid] = len(out.outputs[0].token_ids)
+                        finish_time[rid] = now
                         bar.update(1)
                 bar.set_postfix_str(f"output {generated / max(now - start, 1e-9):.1f} tok/s", refresh=False)
     except BaseException:
@@ -66,6 +68,11 @@ def run_throughput(engine, requests: list[SampleRequest], ignore_eos: bool = Tru
         len(requests), sum(r.prompt_len for r in requests), sum(output_tokens.values()), elapsed
     )
     ttfts = [first_token[rid] - t for rid, t in add_time.items() if rid in first_token]
+    # Time per output token after the first, per request (vLLM's TPOT): what speculative decoding lowers.
+    tpots = [
+        (finish_time[rid] - first_token[rid]) / (output_tokens[rid] - 1)
+        for rid in output_tokens if rid in first_token and output_tokens[rid] > 1
+    ]
     ttft = summarize(ttfts, (99,))
     queries = getattr(after, "prefix_cache_queries", 0) - getattr(before, "prefix_cache_queries", 0)
     hits = getattr(after, "prefix_cache_hits", 0) - getattr(before, "prefix_cache_hits", 0)
@@ -80,6 +87,26 @@ def run_throughput(engine, requests: list[SampleRequest], ignore_eos: bool = Tru
             "prefix_cache_queries": queries,
             "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "median_tpot_ms": summarize(tpots, ())["median"],
         }
     )
+    spec_before, spec_after = getattr(before, "spec_decode", None), getattr(after, "spec_decode", None)
+    if spec_after is not None:
+        metrics["spec_decode"] = spec_decode_delta(spec_before, spec_after)
     return metrics
+
+
+def spec_decode_delta(before, after) -> dict:
+    """Speculative decoding over a run: drafts, acceptance rate, mean accepted length, per-position acceptance."""
+    drafts = after.num_drafts - before.num_drafts
+    proposed = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    per_pos = [a - (before.accepted_per_pos[i] if i < len(before.accepted_per_pos) else 0) for i, a in enumerate(after.accepted_per_pos)]
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": proposed,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
+        "accepted_per_pos": per_pos,
+    }

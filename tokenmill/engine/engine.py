@@ -14,7 +14,7 @@ from typing import NoReturn
 import psutil
 import torch
 
-from tokenmill.config import EngineConfig, resolve_device, resolve_dtype
+from tokenmill.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, cdiv
 from tokenmill.engine.logprobs import LogprobsProcessor, check_token_controls
 from tokenmill.engine.output_processor import CoreStep, OutputProcessor, SequenceUpdate
@@ -28,6 +28,9 @@ from tokenmill.layers.quantization import get_quantization_config
 from tokenmill.loader import build_model, load_model_source
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams, check_text
+from tokenmill.engine.speculation import make_proposer
+from tokenmill.spec_decode.metrics import SpecDecodeStats
+from tokenmill.worker.draft_proposer import DraftModelProposer
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found cached
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, when it is on
 
 
 class LLMEngine:
@@ -72,8 +76,11 @@ class LLMEngine:
         model = build_model(source, self.device, self.dtype, max_model_len, quant_config)
         block_size = config.cache.block_size
         self.runner = ModelRunner(model, self.device, self.dtype, block_size)
+        self._drafter = self._make_drafter(config.speculative, source, max_model_len)
         num_blocks = self._num_kv_blocks(max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
+        if self._drafter is not None:
+            self._drafter.allocate_kv_cache(num_blocks)  # the same block ids: the draft's KV lives where the target's does
 
         capacity = (num_blocks - 1) * block_size
         if capacity < max_model_len:
@@ -101,14 +108,37 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._structured: StructuredOutputManager | None = None  # made for the first structured_outputs request
         self._structured_lock = threading.Lock()
+        self._proposer = make_proposer(config.speculative, self.max_model_len)
         logger.info(
             "loaded %s (%s, %s on %s); KV cache: %d blocks of %d tokens",
             self.model_name, self.hf_config.architectures[0], self.dtype, self.device, num_blocks, block_size,
         )
 
+    def _make_drafter(self, spec, source, max_model_len: int) -> DraftModelProposer | None:
+        """The draft_model proposer's model, built beside the target's: "self" is the target's own weights
+        under the draft's quantization (int4 by default)."""
+        if spec is None or spec.method != "draft_model":
+            return None
+        draft_source = source
+        if spec.model != "self":
+            draft_source = load_model_source(ModelConfig(model=spec.model, skip_tokenizer_init=True))
+            draft_vocab = int(draft_source.hf_config.vocab_size)
+            if draft_vocab != self.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's ({self.vocab_size}): "
+                                 "a draft model must share the target's tokenizer")
+            hf = draft_source.hf_config
+            draft_max = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None) or 0
+            if draft_max < max_model_len:
+                raise ValueError(f"the draft model's context ({draft_max} tokens) is shorter than max_model_len ({max_model_len}); lower max_model_len")
+        quant = get_quantization_config(spec.quantization, spec.quantization_options, self.device, self.dtype)
+        model = build_model(draft_source, self.device, self.dtype, max_model_len, quant)
+        return DraftModelProposer(ModelRunner(model, self.device, self.dtype, self.config.cache.block_size))
+
     def _num_kv_blocks(self, max_model_len: int) -> int:
         cache = self.config.cache
         per_block = self.runner.kv_bytes_per_block()
+        if self._drafter is not None:
+            per_block += self._drafter.kv_bytes_per_block()
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         if cache.kv_cache_memory is not None:
@@ -284,6 +314,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.scheduler.kv_cache.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.kv_cache.prefix_cache_hits,
+            spec_decode=self.scheduler.spec_stats.snapshot() if self._proposer is not None else None,
         )
 
     # -- the loop ---------------------------------------------------------
@@ -320,13 +351,21 @@ class LLMEngine:
                 request.first_scheduled_time = start
         self.runner.copy_blocks(scheduled.block_copies)  # copy-on-write of blocks shared by forked sequences
         try:
+            if self._drafter is not None:
+                self._drafter.forget(scheduled.preempted_request_ids)
+                self._drafter.copy_blocks(scheduled.block_copies)
+                self._drafter.fill(scheduled.chunks)
             sampled = self._compute(scheduled.chunks)
         except Exception as exc:
             self._fail_step(scheduled, exc)
-        updated, _ = self.scheduler.update(scheduled, sampled.sampled_token_ids)
+        updated, _ = self.scheduler.update(scheduled, sampled.sampled_token_ids, sampled.sampled_logprobs)
         self._logprobs.record(scheduled.chunks, sampled, updated, self.scheduler.requests)
         if self._structured is not None:
             self._accept_structured(updated)
+        if self._drafter is not None:
+            self._drafter.keep_only(self.scheduler.requests.keys())
+        if self._proposer is not None:
+            self._proposer.propose(self.scheduler.running)
         step = CoreStep(time=time.monotonic())
         beam_groups: list[BeamSearchGroup] = []
         for request in updated:
@@ -336,7 +375,7 @@ class LLMEngine:
                 if all(g is not group for g in beam_groups):
                     beam_groups.append(group)
                 continue
-            step.updates.append(self._update_of(request, new_tokens=1))
+            step.updates.append(self._update_of(request, new_tokens=request.num_new_output_tokens))
             if request.is_finished:
                 self._release_group_if_done(request)
         for group in beam_groups:
@@ -383,6 +422,8 @@ class LLMEngine:
         logger.error("an engine step failed; failing requests %s and recomputing the other %d of the step",
                      request_ids, len(scheduled.chunks) - len(failing), exc_info=exc)
         self.scheduler.requeue_failed_step(scheduled)
+        if self._drafter is not None:
+            self._drafter.forget(c.request_id for c in scheduled.chunks)
         for request_id in request_ids:
             self.abort_core(request_id)
         raise RequestFailedError(request_ids, exc) from exc
@@ -403,6 +444,7 @@ class LLMEngine:
             seq_index=request.seq_index,
             new_token_ids=new_ids,
             cumulative_logprob=request.cumulative_logprob,
+            new_token_logprobs=request.new_token_logprobs[-new_tokens:] if new_tokens else [],
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             new_logprobs=request.output_logprobs[-new_tokens:] if new_tokens and params.logprobs is not None else None,
@@ -412,6 +454,8 @@ class LLMEngine:
                 else None
             ),
             first_scheduled_time=request.first_scheduled_time,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     def _make_beam_output(self, group: BeamSearchGroup) -> RequestOutput:
@@ -448,11 +492,12 @@ class LLMEngine:
             return self._structured
 
     def _accept_structured(self, updated: list[Request]) -> None:
-        """Advance each constrained request's grammar; one whose grammar has ended (took EOS) stops."""
+        """Advance each constrained request's grammar by its new tokens; one whose grammar has ended (took EOS) stops."""
         for request in updated:
             if request.sampling_params.structured_outputs is None:
                 continue
-            if not self._structured.accept(request, request.output_token_ids[-1]):
+            new_tokens = request.output_token_ids[request.num_output_tokens - request.num_new_output_tokens :]
+            if not any([self._structured.accept(request, token) for token in new_tokens]):
                 continue
             if not request.is_finished:  # ignore_eos or min_tokens kept it going: the grammar ends it
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)

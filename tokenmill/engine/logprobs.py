@@ -77,17 +77,16 @@ class LogprobsProcessor:
         self._texts: dict[int, str] = {}
 
     def record(self, chunks: list["ScheduledChunk"], result: "ModelRunnerOutput", updated: list["Request"], requests: dict[str, "Request"]) -> None:
-        """Apply one step's logprobs. `updated`: the requests that got their sampled token this step;
-        `requests`: the scheduler's live requests (for prompt chunks that sampled nothing)."""
+        """Store one step's logprobs as vLLM's dicts. `updated`: the requests that got tokens this step
+        (num_new_output_tokens of them: the scheduler's update cut a run at a stop, and summed the
+        cumulative logprob); `requests`: the scheduler's live requests (for prompt chunks that sampled nothing)."""
         got_token = {r.request_id: r for r in updated}
         sampled: list[tuple["Request", "PositionLogprobs"]] = []
         prompt: list[tuple["Request", int, list["PositionLogprobs"]]] = []
         for i, chunk in enumerate(chunks):
             request = got_token.get(chunk.request_id)
-            if request is not None and result.sampled_logprobs[i] is not None:
-                request.cumulative_logprob += result.sampled_logprobs[i]
-                if result.logprobs[i] is not None:
-                    sampled.append((request, result.logprobs[i]))
+            if request is not None and result.logprobs[i] is not None:
+                sampled.extend((request, pos) for pos in result.logprobs[i][: request.num_new_output_tokens])
             entry = result.prompt_logprobs[i]
             if entry is not None:
                 request = request or requests.get(chunk.request_id)

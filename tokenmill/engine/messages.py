@@ -6,9 +6,14 @@ model for the engine) depends on these messages only, never on the scheduler its
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenmill.sampling_params import SamplingParams
+
+
+# A draft slot reserved for a proposer that drafts after the step is scheduled (a draft model): the
+# scheduler gives it budget and a KV slot, and the proposer writes the draft into it before the forward pass.
+DRAFT_PLACEHOLDER = -1
 
 
 @dataclass
@@ -31,6 +36,37 @@ class ScheduledChunk:
     banned_token_ids: tuple[int, ...] = ()
     # bad_words as token-id sequences: the sampler bans a word's last token when the rest ends the output.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Speculative decoding: draft tokens to verify, the last len(spec_token_ids) of token_ids. The chunk
+    # samples 1 + k tokens (one after each of its last k + 1 tokens); the runner keeps the drafts the
+    # model agrees with, and the token it samples after the last one kept.
+    spec_token_ids: list[int] = field(default_factory=list)
+    _rows: list["ScheduledChunk"] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def sampling_rows(self) -> list["ScheduledChunk"]:
+        """The rows this chunk samples, as chunks: itself alone, or with k drafts, 1 + k rows where row i
+        samples as after_drafts(spec_token_ids, i) says. Made once, so the grammar mask and the sampler
+        see the same row objects."""
+        if self._rows is None:
+            self._rows = [self] + [self.after_drafts(self.spec_token_ids, i) for i in range(1, len(self.spec_token_ids) + 1)]
+        return self._rows
+
+    def after_drafts(self, drafts: list[int], i: int) -> "ScheduledChunk":
+        """This decode chunk as it would be once drafts[:i] are generated: drafts[i - 1] at the next
+        position, sampling output token output_index + i (its random stream, its min_tokens ban, and the
+        history its penalties and bad words read)."""
+        params = self.sampling_params
+        reads_history = bool(self.bad_words_token_ids) or bool(
+            params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+        )
+        return replace(
+            self,
+            token_ids=[drafts[i - 1]],
+            start_pos=self.start_pos + len(self.token_ids) - len(self.spec_token_ids) - 1 + i,
+            output_index=self.output_index + i,
+            output_token_ids=self.output_token_ids + drafts[:i] if reads_history else self.output_token_ids,
+            banned_token_ids=self.banned_token_ids if self.output_index + i < params.min_tokens else (),
+            spec_token_ids=[],
+        )
 
 
 @dataclass
@@ -67,13 +103,16 @@ class PromptLogprobsChunk:
 
 @dataclass
 class ModelRunnerOutput:
-    """One step's results, one entry per scheduled chunk (None where it does not apply)."""
+    """One step's results, one entry per scheduled chunk (an empty list or None where it does not apply).
 
-    sampled_token_ids: list[int | None]
-    sampled_logprobs: list[float | None]  # raw logprob of each sampled token, always
-    logprobs: list[PositionLogprobs | None]  # only for requests with params.logprobs
+    A sampling chunk gets one token, or with k drafts 1 to k + 1: the drafts the model agreed with, then
+    the token it sampled after them (in order, as if generated one by one)."""
+
+    sampled_token_ids: list[list[int]]
+    sampled_logprobs: list[list[float]]  # raw logprob of each sampled token, always
+    logprobs: list[list[PositionLogprobs] | None]  # one per sampled token, only for requests with params.logprobs
     prompt_logprobs: list[PromptLogprobsChunk | None]  # only for requests with params.prompt_logprobs
 
     @classmethod
     def empty(cls, n: int) -> "ModelRunnerOutput":
-        return cls([None] * n, [None] * n, [None] * n, [None] * n)
+        return cls([[] for _ in range(n)], [[] for _ in range(n)], [None] * n, [None] * n)

@@ -27,11 +27,15 @@ class SequenceUpdate:
     seq_index: int
     new_token_ids: list[int]
     cumulative_logprob: float
+    new_token_logprobs: list[float] = field(default_factory=list)  # raw logprob of each new token (when known)
     finish_reason: str | None = None  # "stop" | "length" | "abort" once the sequence ended
     stop_reason: int | str | None = None
     new_logprobs: list | None = None  # one dict per new token when params.logprobs is set
     prompt_logprobs: list | None = None  # the whole list, sent with the first output token (or an abort)
     first_scheduled_time: float | None = None
+    # Speculative decoding totals of the sequence: drafts verified, and kept.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -61,6 +65,8 @@ class _Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -115,6 +121,8 @@ class OutputProcessor:
                 for seq in state.sequences.values():
                     seq.finish_reason = seq.finish_reason or "abort"
             finished = aborted or state.finished
+            state.metrics.num_draft_tokens = sum(s.num_draft_tokens for s in state.sequences.values())
+            state.metrics.num_accepted_tokens = sum(s.num_accepted_tokens for s in state.sequences.values())
             if finished:
                 state.metrics.finished_time = step.time
                 del self._requests[state.request_id]
@@ -146,11 +154,21 @@ class OutputProcessor:
                 seq.logprobs.extend(update.new_logprobs)
         seq.cumulative_logprob = update.cumulative_logprob
         seq.finish_reason, seq.stop_reason = update.finish_reason, update.stop_reason
+        seq.num_draft_tokens, seq.num_accepted_tokens = update.num_draft_tokens, update.num_accepted_tokens
         if seq.detokenizer is None or not update.new_token_ids:
             return None
+        consumed_before = seq.detokenizer.num_tokens
         stop = seq.detokenizer.add_tokens(update.new_token_ids)
         if stop is None:
             return None
+        # Tokens after the one that completed the stop string (several new tokens come at once with
+        # speculative decoding) are dropped, as if the sequence had ended there.
+        dropped = len(update.new_token_ids) - (seq.detokenizer.num_tokens - consumed_before)
+        if dropped:
+            del seq.token_ids[-dropped:]
+            if seq.logprobs is not None and update.new_logprobs:
+                del seq.logprobs[-dropped:]
+            seq.cumulative_logprob -= sum(update.new_token_logprobs[-dropped:])
         # A stop string ends the sequence; if the same token also hit max_tokens or EOS, the stop string wins, as in vLLM.
         already_finished = seq.finish_reason is not None
         seq.finish_reason, seq.stop_reason = "stop", stop

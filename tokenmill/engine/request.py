@@ -68,6 +68,13 @@ class Request:
     # Prefix caching: the chained hash of each full block of all_token_ids hashed so far
     # (KVCacheManager computes them as blocks are looked up or filled; a fork copies them).
     block_hashes: list[int] = field(default_factory=list, repr=False)
+    # Speculative decoding: the drafts proposed for the next step (used only if that step is a decode),
+    # the output tokens the last step appended (one, or several when drafts were kept), and totals.
+    spec_token_ids: list[int] = field(default_factory=list, repr=False)
+    num_new_output_tokens: int = 0
+    new_token_logprobs: list[float] = field(default_factory=list, repr=False)  # their raw logprobs (when known)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -15,11 +15,13 @@ preempted request usually finds its own blocks again, if they were not evicted.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.messages import ScheduledChunk, SchedulerOutput
 from tokenmill.engine.request import Request, RequestStatus, sequence_seed
+from tokenmill.spec_decode.metrics import SpecDecodeStats
 
 
 class Scheduler:
@@ -30,6 +32,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
 
     # -- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -112,11 +115,21 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
 
+        scheduled_drafts: dict[str, list[int]] = {}
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(self._num_new_tokens(request), budget)
             if num_new == 0:  # a beam waiting for its siblings' candidates
+                index += 1
+                continue
+            # A decode verifies the request's drafts in the same pass: they take budget and KV slots too.
+            drafts = request.spec_token_ids[: budget - 1] if num_new == 1 else []
+            request.spec_token_ids = []
+            if drafts and self.kv_cache.allocate_slots(request, 1 + len(drafts)):
+                scheduled.append((request, 1 + len(drafts)))
+                scheduled_drafts[request.request_id] = drafts
+                budget -= 1 + len(drafts)
                 index += 1
                 continue
             while not self.kv_cache.allocate_slots(request, num_new):
@@ -168,19 +181,19 @@ class Scheduler:
                 scheduled.append((request, num_new))
                 budget -= num_new
 
-        chunks = [self._make_chunk(request, num_new) for request, num_new in scheduled]
+        chunks = [self._make_chunk(request, num_new, scheduled_drafts.get(request.request_id, [])) for request, num_new in scheduled]
         return SchedulerOutput(
             chunks=chunks,
             preempted_request_ids=[r.request_id for r in preempted],
             block_copies=self.kv_cache.take_block_copies(),
         )
 
-    def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _make_chunk(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledChunk:
         start = request.num_computed_tokens
-        end = start + num_new
+        end = start + num_new - len(drafts)
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.all_token_ids[start:end] + drafts,
             start_pos=start,
             block_ids=self.kv_cache.get_block_ids(request.request_id),
             sample=end == request.num_tokens,
@@ -191,6 +204,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             banned_token_ids=self._banned_token_ids(request) if end == request.num_tokens else (),
             bad_words_token_ids=request.bad_words_token_ids,
+            spec_token_ids=drafts,
         )
 
     @staticmethod
@@ -220,6 +234,7 @@ class Scheduler:
     def _preempt(self, request: Request, to_front: bool = True) -> None:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -228,26 +243,57 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> tuple[list[Request], list[Request]]:
-        """Apply a step's results. Returns (requests that got a new token, requests that finished)."""
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Sequence[list[int] | int | None],
+        sampled_logprobs: Sequence[list[float]] | None = None,
+    ) -> tuple[list[Request], list[Request]]:
+        """Apply a step's results: per chunk, the tokens it sampled (a list, or one int, or None / [] for a
+        chunk that samples nothing) and their raw logprobs. The one place a step changes request state.
+
+        A chunk with drafts keeps only the KV of the drafts kept (num_computed_tokens stops after them;
+        the slots of the others are overwritten later, and their blocks were never offered to the prefix
+        cache, which registers only blocks of the request's real tokens). The tokens are appended one by
+        one with a stop check after each, so a stop token or max_tokens inside a run ends the request there.
+        Returns (requests that got tokens, each with num_new_output_tokens set; requests that finished).
+        """
         if len(sampled_token_ids) != len(output.chunks):
-            raise ValueError(f"got {len(sampled_token_ids)} sampled token ids for {len(output.chunks)} scheduled chunks")
+            raise ValueError(f"got {len(sampled_token_ids)} sampled token lists for {len(output.chunks)} scheduled chunks")
         updated: list[Request] = []
         finished: list[Request] = []
-        for chunk, token_id in zip(output.chunks, sampled_token_ids):
+        for i, chunk in enumerate(output.chunks):
             request = self.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(chunk.token_ids)
+            tokens = sampled_token_ids[i]
+            tokens = [] if tokens is None else [tokens] if isinstance(tokens, int) else tokens
+            num_drafts = len(chunk.spec_token_ids)
+            num_rejected = num_drafts - (len(tokens) - 1) if num_drafts else 0
+            request.num_computed_tokens += len(chunk.token_ids) - num_rejected
             if request.awaiting_fork and request.num_computed_tokens == request.num_tokens - 1:
                 self._fork_sequences(request)
             if not chunk.sample:
                 continue
-            assert token_id is not None
-            request.append_output_token(token_id)
+            if not tokens:
+                raise ValueError(f"no sampled token for request {chunk.request_id!r}, whose chunk samples")
+            if num_drafts:
+                request.num_draft_tokens += num_drafts
+                request.num_accepted_tokens += num_drafts - num_rejected
+                self.spec_stats.record(num_drafts, num_drafts - num_rejected)
+            logprobs = sampled_logprobs[i] if sampled_logprobs is not None else None
+            request.num_new_output_tokens = 0
+            request.new_token_logprobs = []
+            for j, token_id in enumerate(tokens):
+                request.append_output_token(token_id)
+                request.num_new_output_tokens += 1
+                if logprobs:
+                    request.cumulative_logprob += logprobs[j]
+                    request.new_token_logprobs.append(logprobs[j])
+                if request.check_stop():
+                    finished.append(request)
+                    break
             updated.append(request)
-            if request.check_stop():
-                finished.append(request)
         if finished:
             for request in finished:
                 self.kv_cache.free(request)

@@ -242,28 +242,42 @@ class StructuredOutputManager:
         return state
 
     def bitmask(self, chunks: list["ScheduledChunk"], requests: dict[str, "Request"]) -> torch.Tensor | None:
-        """The step's bitmask over the sampling chunks (in order), or None when none is constrained.
+        """The step's bitmask over the sampling rows (ScheduledChunk.sampling_rows, in order), or None when
+        none is constrained. A chunk's draft rows are masked by the grammar after the drafts before them
+        (the matcher takes them, then is rolled back); rows after a draft the grammar refuses stay open,
+        as that draft is never kept (its own row's mask refuses it).
 
         When a row's grammar allows only tokens that min_tokens bans (EOS at the grammar's end), the
         grammar wins: the ban is lifted for that row, as the output cannot go on inside the grammar.
         """
-        sampling = [c for c in chunks if c.sample]
-        rows = [
-            (row, chunk, requests.get(chunk.request_id))
-            for row, chunk in enumerate(sampling)
-            if chunk.sampling_params.structured_outputs is not None
-        ]
-        rows = [(row, chunk, request) for row, chunk, request in rows if request is not None]
-        if not rows:
-            return None
-        bitmask = self._xgr.allocate_token_bitmask(len(sampling), self.vocab_size)  # all ones: everything allowed
-        for row, chunk, request in rows:
-            state = self._state(request)
-            if state.failed or state.matcher.is_terminated():
+        constrained = []  # (first row, chunk, request)
+        num_rows = 0
+        for chunk in chunks:
+            if not chunk.sample:
                 continue
-            state.matcher.fill_next_token_bitmask(bitmask, row)
-            if chunk.banned_token_ids and not self._allows_other_than(bitmask[row], chunk.banned_token_ids):
-                chunk.banned_token_ids = ()
+            request = requests.get(chunk.request_id)
+            if chunk.sampling_params.structured_outputs is not None and request is not None:
+                constrained.append((num_rows, chunk, request))
+            num_rows += len(chunk.spec_token_ids) + 1
+        if not constrained:
+            return None
+        bitmask = self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)  # all ones: everything allowed
+        for first, chunk, request in constrained:
+            state = self._state(request)
+            if state.failed:
+                continue
+            matcher, rows, taken = state.matcher, chunk.sampling_rows(), 0
+            for i, row in enumerate(rows):
+                if matcher.is_terminated():
+                    break
+                matcher.fill_next_token_bitmask(bitmask, first + i)
+                if row.banned_token_ids and not self._allows_other_than(bitmask[first + i], row.banned_token_ids):
+                    row.banned_token_ids = ()
+                if i == len(chunk.spec_token_ids) or not matcher.accept_token(chunk.spec_token_ids[i]):
+                    break
+                taken += 1
+            if taken:
+                matcher.rollback(taken)
         return bitmask
 
     def _allows_other_than(self, words: torch.Tensor, banned: tuple[int, ...]) -> bool:

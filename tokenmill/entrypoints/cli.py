@@ -19,11 +19,16 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument(
         "--quantization", "-q", default=None, metavar="METHOD",
-        help="quantize the weights at load: int8 (W8A16, per channel) or int4 (W4A16, group-wise); CPU only",
+        help="quantize at load: int8 (W8A16, per channel), int4 (W4A16, group-wise) or w8a8 (int8 weights x int8 activations per token); CPU only",
     )
     g.add_argument(
         "--quantization-options", type=_json_object, default=None, metavar="JSON",
         help='options of the method, e.g. \'{"group_size": 64, "symmetric": true}\' for int4 (default: group 128, asymmetric)',
+    )
+    g.add_argument(
+        "--speculative-config", type=_json_object, default=None, metavar="JSON",
+        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 8}\'',
     )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
@@ -88,6 +93,7 @@ def engine_config_from_args(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.engine_seed,
         grammar_compile_timeout=args.grammar_compile_timeout,
+        speculative_config=args.speculative_config,
     )
 
 

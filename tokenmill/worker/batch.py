@@ -34,14 +34,22 @@ def build_batch_inputs(chunks: list[ScheduledChunk], block_size: int, device: to
     block_tables[row_of_block, np.arange(len(flat_blocks)) - block_starts[row_of_block]] = flat_blocks
     slot_mapping = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
 
+    # Sampled rows: each sampling chunk's last token, and with k drafts its last k + 1 tokens.
+    num_spec = np.fromiter((len(c.spec_token_ids) for c in chunks), dtype=np.int64, count=num_reqs)
     sample_rows = np.fromiter((c.sample for c in chunks), dtype=bool, count=num_reqs)
-    logits_indices = (query_start_loc[1:] - 1)[sample_rows]
+    rows_sampled = np.where(sample_rows, num_spec + 1, 0)
+    total_sampled = int(rows_sampled.sum())
+    # Row i of a chunk sampling c rows is its token c - i from the end.
+    from_end = np.repeat(np.cumsum(rows_sampled), rows_sampled) - np.arange(total_sampled)
+    logits_indices = np.repeat(query_start_loc[1:], rows_sampled) - from_end
 
+    # Decodes, and chunks verifying drafts, attend per token: each query token is a row of the decode
+    # group over its request's context up to its own position (causal among a chunk's drafts as well).
+    is_decode = (q_lens == 1) | (num_spec > 0)
     groups = []
-    is_decode = q_lens == 1
-    decode_rows = np.nonzero(is_decode)[0]
-    row_groups = ([decode_rows] if len(decode_rows) else []) + _prompt_row_groups(np.nonzero(~is_decode)[0], q_lens)
-    for rows in row_groups:
+    if is_decode.any():
+        groups.append(_decode_group(np.flatnonzero(is_decode[req_of_token]), req_of_token, positions, block_tables, block_size, device))
+    for rows in _prompt_row_groups(np.nonzero(~is_decode)[0], q_lens):
         groups.append(_make_group(rows, q_lens, starts, seq_lens, query_start_loc, block_tables, block_size, num_tokens, device))
 
     def t(a: np.ndarray) -> torch.Tensor:
@@ -79,6 +87,20 @@ def _prompt_row_groups(rows: np.ndarray, q_lens: np.ndarray) -> list[np.ndarray]
             groups.append(rows[first:i])
             first = i
     return groups
+
+
+def _decode_group(
+    token_rows: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray, block_tables: np.ndarray, block_size: int, device: torch.device
+) -> AttentionGroup:
+    """One row per query token: its row in the step, its request's block table and its position."""
+    query_pos = positions[token_rows]
+    num_blocks = int(query_pos.max()) // block_size + 1
+    return AttentionGroup(
+        token_index=torch.from_numpy(token_rows[:, None]).to(device),
+        block_table=torch.from_numpy(np.ascontiguousarray(block_tables[req_of_token[token_rows], :num_blocks])).to(device),
+        query_pos=torch.from_numpy(query_pos[:, None]).to(device),
+        from_start=bool((query_pos == 0).all()),
+    )
 
 
 def _make_group(

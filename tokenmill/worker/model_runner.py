@@ -8,6 +8,7 @@ from torch import nn
 
 from tokenmill.engine.messages import ModelRunnerOutput, PositionLogprobs, PromptLogprobsChunk, ScheduledChunk
 from tokenmill.layers.attention import Attention, GatherWorkspace, attention_backend
+from tokenmill.spec_decode.verify import draft_rows, num_kept
 from tokenmill.worker.batch import build_batch_inputs
 from tokenmill.worker.cpu_memory import tune_malloc, zeros_huge_page_aligned
 from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
@@ -72,33 +73,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], grammar_bitmask: torch.Tensor | None = None) -> "ModelRunnerOutput":
-        """One forward pass over the mixed batch; a sampled token for each chunk that ends its request's tokens,
-        with its logprob, and the logprobs asked for (of sampled tokens, of prompt tokens).
+        """One forward pass over the mixed batch; for each chunk that ends its request's tokens, the sampled
+        token (or, with drafts, the drafts kept and the token after them: spec_decode/verify.py) with logprobs,
+        and the logprobs asked for (of sampled tokens, of prompt tokens).
 
-        grammar_bitmask: structured output's allowed tokens, one row per sampling chunk (in order).
+        grammar_bitmask: structured output's allowed tokens, one row per sampling row (ScheduledChunk.sampling_rows, in order).
         """
         batch = build_batch_inputs(chunks, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         result = ModelRunnerOutput.empty(len(chunks))
         self._prompt_logprobs(chunks, hidden, result)
-        sample_rows = [i for i, c in enumerate(chunks) if c.sample]
-        if not sample_rows:
+        sampling = [i for i, c in enumerate(chunks) if c.sample]
+        if not sampling:
             return result
-        sampling_chunks = [chunks[i] for i in sample_rows]
+        rows = [row for i in sampling for row in chunks[i].sampling_rows()]
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        meta = SamplingMetadata.from_chunks(sampling_chunks, self.device)
+        meta = SamplingMetadata.from_chunks(rows, self.device)
         if grammar_bitmask is not None:
             meta.grammar_bitmask = grammar_bitmask.to(self.device)
         out = self.sampler.sample(logits, meta)
         tokens = out.token_ids.tolist()
         token_logprobs = out.logprobs.token_logprobs.tolist()
-        wanted = [j for j, c in enumerate(sampling_chunks) if c.sampling_params.logprobs is not None]
-        lists = _logprobs_lists(out.token_ids, out.logprobs, wanted)
-        for j, i in enumerate(sample_rows):
-            result.sampled_token_ids[i] = tokens[j]
-            result.sampled_logprobs[i] = token_logprobs[j]
-        for j, entry in zip(wanted, lists):
-            result.logprobs[sample_rows[j]] = entry
+        wanted = [j for j, row in enumerate(rows) if row.sampling_params.logprobs is not None]
+        row_logprobs = dict(zip(wanted, _logprobs_lists(out.token_ids, out.logprobs, wanted)))
+        rows_per_chunk = np.fromiter((len(chunks[i].spec_token_ids) + 1 for i in sampling), dtype=np.int64, count=len(sampling))
+        if len(rows) == len(sampling):  # no drafts: one token per chunk
+            kept = rows_per_chunk
+        else:
+            kept = num_kept(np.asarray(tokens, dtype=np.int64), draft_rows([chunks[i].spec_token_ids for i in sampling]), rows_per_chunk)
+        first = 0
+        for i, n, count in zip(sampling, kept.tolist(), rows_per_chunk.tolist()):
+            result.sampled_token_ids[i] = tokens[first : first + n]
+            result.sampled_logprobs[i] = token_logprobs[first : first + n]
+            if chunks[i].sampling_params.logprobs is not None:
+                result.logprobs[i] = [row_logprobs[j] for j in range(first, first + n)]
+            first += count
         return result
 
     def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, result: "ModelRunnerOutput") -> None:

@@ -1,0 +1,86 @@
+"""Speculative decoding on one model: time per output token of single requests with each proposer,
+against decoding without speculation in the same run (the README's speculative decoding table).
+
+    python benchmarks/spec_decode.py [--model PATH] [--dtype auto] [--rounds 3] [--dataset edit] [--num-prompts 4]
+                                     [--configs "none,ngram k4,self int4 k3"] [--json out.json]
+
+Each configuration runs `tokenmill bench throughput --num-prompts 1` once per prompt (one request at a
+time: the single-request latency speculation is for) in a process of its own, greedy, stopping at EOS;
+rounds alternate between the configurations, so a busy machine disturbs them alike. The table shows
+each one's median time per output token (TPOT) over every request of every round, the speed-up over
+no speculation, the acceptance rate and the mean accepted length. Prints the CPU's vector flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from quantization import _bench, cpu_flags  # noqa: E402
+
+CONFIGS = {
+    "none": None,
+    "ngram k2": {"method": "ngram", "num_speculative_tokens": 2},
+    "ngram k4": {"method": "ngram", "num_speculative_tokens": 4},
+    "ngram k6": {"method": "ngram", "num_speculative_tokens": 6},
+    "self int4 k2": {"method": "draft_model", "model": "self", "num_speculative_tokens": 2},
+    "self int4 k3": {"method": "draft_model", "model": "self", "num_speculative_tokens": 3},
+    "self int8 k3": {"method": "draft_model", "model": "self", "quantization": "int8", "num_speculative_tokens": 3},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dataset", default="edit", help="a `tokenmill bench throughput` dataset (default: edit)")
+    parser.add_argument("--num-prompts", type=int, default=4, help="requests per round, run one at a time")
+    parser.add_argument("--input-len", type=int, default=160)
+    parser.add_argument("--configs", default="none,ngram k4,self int4 k3")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    names = [n.strip() for n in args.configs.split(",")]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    if "none" not in names:
+        names.insert(0, "none")
+    common = ["throughput", "--dataset", args.dataset, "--num-prompts", "1", "--input-len", str(args.input_len),
+              "--no-ignore-eos", "--dtype", args.dtype, "--disable-tqdm"] + (["--model", args.model] if args.model else [])
+    rows = {name: {"tpot_ms": [], "drafts": 0, "draft_tokens": 0, "accepted": 0, "outputs": []} for name in names}
+    for _ in range(args.rounds):
+        for seed in range(args.num_prompts):
+            for name in names:
+                spec = CONFIGS[name]
+                extra = ["--seed", str(seed)] + (["--speculative-config", json.dumps(spec)] if spec else [])
+                result = _bench([*common, *extra])["tokenmill"]
+                row = rows[name]
+                row["tpot_ms"].append(result["median_tpot_ms"])
+                row["outputs"].append(result["total_output_tokens"])
+                spec_stats = result.get("spec_decode")
+                if spec_stats:
+                    row["drafts"] += spec_stats["num_drafts"]
+                    row["draft_tokens"] += spec_stats["num_draft_tokens"]
+                    row["accepted"] += spec_stats["num_accepted_tokens"]
+    base = statistics.median(rows["none"]["tpot_ms"])
+    print(f"CPU flags: {cpu_flags()}; dtype {args.dtype}; dataset {args.dataset}, {args.num_prompts} requests x {args.rounds} rounds")
+    print("| speculative config | TPOT ms (median) | speed-up | acceptance rate | mean accepted length |")
+    print("|---|---|---|---|---|")
+    for name, row in rows.items():
+        ms = statistics.median(row["tpot_ms"])
+        rate = f"{100 * row['accepted'] / row['draft_tokens']:.0f}%" if row["draft_tokens"] else "-"
+        length = f"{1 + row['accepted'] / row['drafts']:.2f}" if row["drafts"] else "-"
+        print(f"| {name} | {ms:.1f} | {base / ms:.2f}x | {rate} | {length} |")
+        if row["outputs"] != rows["none"]["outputs"]:
+            print(f"  (output lengths differ from no speculation: {row['outputs']} vs {rows['none']['outputs']})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu_flags": cpu_flags(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The draft_model proposer: a smaller model, or a quantized copy of the target ("self"), drafts k tokens
+for each decoding request after the step is scheduled, in k forward passes of its own.
+
+Its KV cache is its own but indexed by the target's block tables: the scheduler reserved the draft
+slots (placeholders) with the step's, so every position the draft writes lies in blocks the request
+holds. Blocks shared by several requests (prefix-cache hits, forks) hold the same tokens at the same
+positions for all of them, so the draft writes the same values there whoever writes them. A request
+the draft has not seen (new, forked, or back from preemption) is caught up over its whole history;
+after that only the tokens since its last draft are computed: the draft keeps, per request, how many
+positions of its cache hold KV of real tokens, and extends that by the drafts the target kept.
+
+The draft samples with the request's own parameters and random stream (seed, output index), so for a
+sampling request it draws what the target is likely to draw; a draft that differs costs only its rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from tokenmill.engine.messages import DRAFT_PLACEHOLDER, ScheduledChunk
+from tokenmill.worker.model_runner import ModelRunner
+
+
+@dataclass
+class _DraftState:
+    valid_len: int = 0  # positions 0..valid_len-1 of the draft's cache hold KV of the request's real tokens
+    pending: list[int] = field(default_factory=list)  # the draft tokens whose KV follows them (kept if the target kept them)
+
+    def catch_up(self, chunk: ScheduledChunk) -> int:
+        """valid_len once the drafts the target kept are counted."""
+        start = self.valid_len
+        history_len = len(chunk.prompt_token_ids) + len(chunk.output_token_ids)
+        for i, token in enumerate(self.pending):
+            if start + i >= history_len or _token_at(chunk, start + i) != token:
+                break
+            self.valid_len += 1
+        self.pending = []
+        return self.valid_len
+
+
+def _token_at(chunk: ScheduledChunk, position: int) -> int:
+    num_prompt = len(chunk.prompt_token_ids)
+    return chunk.prompt_token_ids[position] if position < num_prompt else chunk.output_token_ids[position - num_prompt]
+
+
+def _tokens(chunk: ScheduledChunk, start: int, end: int) -> list[int]:
+    """The request's tokens at positions [start, end) (prompt, then output)."""
+    prompt, output = chunk.prompt_token_ids, chunk.output_token_ids
+    num_prompt = len(prompt)
+    return prompt[start:end] + output[max(0, start - num_prompt) : max(0, end - num_prompt)]
+
+
+class DraftModelProposer:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._states: dict[str, _DraftState] = {}
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.runner.copy_blocks(pairs)
+
+    def forget(self, request_ids) -> None:
+        """Drop what the draft knows of these requests (finished, aborted, or preempted: their blocks are gone)."""
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
+
+    def keep_only(self, request_ids: set[str]) -> None:
+        for request_id in [r for r in self._states if r not in request_ids]:
+            del self._states[request_id]
+
+    @torch.inference_mode()
+    def fill(self, chunks: list[ScheduledChunk]) -> None:
+        """Write drafts into the reserved slots of every chunk that has them (token_ids and spec_token_ids)."""
+        targets = [c for c in chunks if c.spec_token_ids and c.spec_token_ids[0] == DRAFT_PLACEHOLDER]
+        if not targets:
+            return
+        drafts: list[list[int]] = [[] for _ in targets]
+        # Pass 0: each request's tokens the draft has no KV for, up to its last token; the first draft.
+        passes = []
+        for chunk in targets:
+            state = self._states.setdefault(chunk.request_id, _DraftState())
+            last = chunk.start_pos + len(chunk.token_ids) - len(chunk.spec_token_ids)  # real tokens, the last one included
+            start = min(state.catch_up(chunk), last - 1)  # the last token is always computed: its logits give the first draft
+            passes.append(replace(chunk, token_ids=_tokens(chunk, start, last), start_pos=start, spec_token_ids=[],
+                                  sampling_params=_draft_params(chunk)))
+            state.valid_len = last
+        for i in range(max(len(c.spec_token_ids) for c in targets)):
+            if i:
+                rows = [j for j, c in enumerate(targets) if len(c.spec_token_ids) > i]
+                passes = [replace(targets[j].after_drafts(drafts[j], i), sampling_params=_draft_params(targets[j])) for j in rows]
+            else:
+                rows = list(range(len(targets)))
+            out = self.runner.execute(passes)
+            for j, tokens in zip(rows, out.sampled_token_ids):
+                drafts[j].append(tokens[0])
+        for chunk, draft in zip(targets, drafts):
+            k = len(chunk.spec_token_ids)
+            chunk.spec_token_ids[:] = draft
+            chunk.token_ids[len(chunk.token_ids) - k :] = draft
+            self._states[chunk.request_id].pending = draft[:-1]  # their KV is in the draft's cache now
+
+
+def _draft_params(chunk: ScheduledChunk):
+    """The request's sampling parameters without what only the output needs (logprobs to report)."""
+    params = chunk.sampling_params
+    if params.logprobs is None and params.prompt_logprobs is None:
+        return params
+    return replace(params, logprobs=None, prompt_logprobs=None)
