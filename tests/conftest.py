@@ -253,3 +253,18 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     generated = out[0, len(prompt) :].tolist()
     assert len(generated) == max_new_tokens
     return generated
+
+
+def assert_engine_computes(quantized, reference, atol: float = 2e-4) -> None:
+    """A quantized engine gives its fake-quantized float reference's logits (within atol) through the
+    decode kernels (chunks of 1 and 3 rows) and the prompt path (64), and its greedy tokens."""
+    from tokenmill import SamplingParams
+
+    prompt = random_prompts([40], seed=5)[0]
+    want = tokenmill_logits(reference, prompt, chunk=64)
+    for chunk in (1, 3, 64):
+        torch.testing.assert_close(tokenmill_logits(quantized, prompt, chunk=chunk), want, atol=atol, rtol=atol)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17, 30], seed=6)]
+    got = [o.outputs[0].token_ids for o in quantized.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]

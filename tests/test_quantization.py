@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_prompts, smollm2_gguf_path, tokenmill_logits
+from conftest import assert_engine_computes, random_prompts, smollm2_gguf_path
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.perplexity import run_perplexity, score_windows, window_token_ids
 from tokenmill.kernels import cpu
@@ -55,14 +55,7 @@ def test_quantized_engine_computes_the_fake_quantized_model(tiny_model_factory, 
     src = tiny_model_factory(model_name)
     reference = LLM(_fake_quantized_folder(src, tmp_path / "fake", method, options), dtype="float32", num_kv_blocks=64)
     quantized = LLM(src, dtype="float32", num_kv_blocks=64, quantization=method, quantization_options=options)
-    prompt = random_prompts([40], seed=5)[0]
-    want = tokenmill_logits(reference, prompt, chunk=64)
-    for chunk in (1, 3, 64):  # decode kernels (1 and 3 rows), and the prompt path
-        torch.testing.assert_close(tokenmill_logits(quantized, prompt, chunk=chunk), want, atol=2e-4, rtol=2e-4)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17, 30], seed=6)]
-    got = [o.outputs[0].token_ids for o in quantized.generate(prompts, params, use_tqdm=False)]
-    assert got == [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    assert_engine_computes(quantized, reference)
 
 
 @needs_kernels
