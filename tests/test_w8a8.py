@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_engine_computes, random_prompts, smollm2_gguf_path
+from conftest import assert_engine_computes, smollm2_gguf_path
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu
 from tokenmill.layers.linear import Linear
