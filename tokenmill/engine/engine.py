@@ -14,7 +14,7 @@ from typing import NoReturn
 import psutil
 import torch
 
-from tokenmill.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from tokenmill.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_device, resolve_dtype
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, cdiv
 from tokenmill.engine.logprobs import LogprobsProcessor, check_token_controls
 from tokenmill.engine.output_processor import CoreStep, OutputProcessor, SequenceUpdate
@@ -22,13 +22,13 @@ from tokenmill.engine.beam_search import BeamSearchGroup, beam_sampling_params
 from tokenmill.engine.request import Request, RequestStatus, SequenceGroup
 from tokenmill.engine.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.speculation import make_proposer
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import InvalidRequestError, PromptTooLongError, RequestFailedError
 from tokenmill.layers.quantization import get_quantization_config
-from tokenmill.loader import build_model, load_model_source
+from tokenmill.loader import ModelSource, build_model, load_model_source
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams, check_text
-from tokenmill.engine.speculation import make_proposer
 from tokenmill.spec_decode.metrics import SpecDecodeStats
 from tokenmill.worker.draft_proposer import DraftModelProposer
 from tokenmill.worker.model_runner import ModelRunner
@@ -114,7 +114,7 @@ class LLMEngine:
             self.model_name, self.hf_config.architectures[0], self.dtype, self.device, num_blocks, block_size,
         )
 
-    def _make_drafter(self, spec, source, max_model_len: int) -> DraftModelProposer | None:
+    def _make_drafter(self, spec: SpeculativeConfig | None, source: ModelSource, max_model_len: int) -> DraftModelProposer | None:
         """The draft_model proposer's model, built beside the target's: "self" is the target's own weights
         under the draft's quantization (int4 by default)."""
         if spec is None or spec.method != "draft_model":

@@ -15,6 +15,7 @@ sampling request it draws what the target is likely to draw; a draft that differ
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -66,12 +67,13 @@ class DraftModelProposer:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.runner.copy_blocks(pairs)
 
-    def forget(self, request_ids) -> None:
+    def forget(self, request_ids: Iterable[str]) -> None:
         """Drop what the draft knows of these requests (finished, aborted, or preempted: their blocks are gone)."""
         for request_id in request_ids:
             self._states.pop(request_id, None)
 
-    def keep_only(self, request_ids: set[str]) -> None:
+    def keep_only(self, request_ids: Collection[str]) -> None:
+        """Drop what the draft knows of every request not among these (the engine's live ones)."""
         for request_id in [r for r in self._states if r not in request_ids]:
             del self._states[request_id]
 
