@@ -526,3 +526,19 @@ def test_serve_with_speculative_config(smollm_pair):
         assert metrics["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == metrics["vllm:spec_decode_num_accepted_tokens_total"]
     finally:
         srv.stop()
+
+
+def test_bench_latency_reports_acceptance(tiny_model_factory, tmp_path, capsys):
+    import json
+
+    from tokenmill.entrypoints.cli import main
+
+    out_json = tmp_path / "lat.json"
+    rc = main(["bench", "latency", "--model", tiny_model_factory("llama_gqa"), "--dtype", "float32", "--batch-size", "2",
+               "--input-len", "8", "--output-len", "24", "--num-iters-warmup", "0", "--num-iters", "1", "--disable-tqdm",
+               "--speculative-config", json.dumps(SPEC), "--json", str(out_json)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "Spec decode acceptance rate:" in out.out
+    spec = json.loads(out_json.read_text())["tokenmill"]["spec_decode"]
+    assert spec["num_accepted_tokens"] == sum(spec["accepted_per_pos"])

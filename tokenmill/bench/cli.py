@@ -338,6 +338,7 @@ def cmd_perplexity(args: argparse.Namespace) -> None:
 
 def cmd_latency(args: argparse.Namespace) -> None:
     from tokenmill.bench.latency import check_latency_args, engine_latency_iteration, latency_prompts, run_latency
+    from tokenmill.bench.throughput import spec_decode_delta
 
     use_tqdm = not args.disable_tqdm
     check_output_path(args.json)
@@ -354,7 +355,10 @@ def cmd_latency(args: argparse.Namespace) -> None:
     batches = latency_prompts(
         engine.vocab_size, args.batch_size, args.input_len, args.num_iters_warmup + args.num_iters, args.seed, exclude
     )
+    spec_before = engine.stats().spec_decode
     ours = run_latency(lambda b: engine_latency_iteration(engine, b, args.output_len), batches, args.num_iters_warmup, "Latency", use_tqdm)
+    if spec_before is not None:  # over the warm-up and measured iterations alike
+        ours["spec_decode"] = spec_decode_delta(spec_before, engine.stats().spec_decode)
     result = {
         "benchmark": "latency",
         **_engine_info(engine),

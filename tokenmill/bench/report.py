@@ -112,6 +112,7 @@ def format_latency(result: dict) -> str:
     lines.append(_row("Avg latency (s):", _num(m["avg_latency"], 4)))
     for q, value in m["percentiles"].items():
         lines.append(_row(f"{q}% percentile latency (s):", _num(value, 4)))
+    lines.extend(_spec_decode_lines(m.get("spec_decode")))
     hf = result.get("hf")
     if hf is not None:
         lines.append(_title("HF transformers baseline", "-"))
