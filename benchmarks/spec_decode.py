@@ -27,8 +27,8 @@ CONFIGS = {
     "ngram k2": {"method": "ngram", "num_speculative_tokens": 2},
     "ngram k4": {"method": "ngram", "num_speculative_tokens": 4},
     "ngram k6": {"method": "ngram", "num_speculative_tokens": 6},
-    "self int4 k2": {"method": "draft_model", "model": "self", "num_speculative_tokens": 2},
-    "self int4 k3": {"method": "draft_model", "model": "self", "num_speculative_tokens": 3},
+    "self int4 k2": {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 2},
+    "self int4 k3": {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 3},
     "self int8 k3": {"method": "draft_model", "model": "self", "quantization": "int8", "num_speculative_tokens": 3},
 }
 
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--dataset", default="edit", help="a `tokenmill bench throughput` dataset (default: edit)")
     parser.add_argument("--num-prompts", type=int, default=4, help="requests per round, run one at a time")
     parser.add_argument("--input-len", type=int, default=160)
-    parser.add_argument("--configs", default="none,ngram k4,self int4 k3")
+    parser.add_argument("--configs", default="none,ngram k4,self int8 k3,self int4 k3")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     names = [n.strip() for n in args.configs.split(",")]
