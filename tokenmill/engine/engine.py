@@ -55,6 +55,11 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, when it is on
 
 
+def _context_length(hf_config) -> int:
+    """The model's context length: max_position_embeddings, or GPT-2's n_positions."""
+    return getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -67,7 +72,7 @@ class LLMEngine:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.dtype = resolve_dtype(config.model.dtype, self.device, source.checkpoint_dtype)
 
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or getattr(self.hf_config, "n_positions")
+        model_max = _context_length(self.hf_config)
         max_model_len = config.model.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max}")
@@ -126,8 +131,7 @@ class LLMEngine:
             if draft_vocab != self.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's ({self.vocab_size}): "
                                  "a draft model must share the target's tokenizer")
-            hf = draft_source.hf_config
-            draft_max = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None) or 0
+            draft_max = _context_length(draft_source.hf_config)
             if draft_max < max_model_len:
                 raise ValueError(f"the draft model's context ({draft_max} tokens) is shorter than max_model_len ({max_model_len}); lower max_model_len")
         quant = get_quantization_config(spec.quantization, spec.quantization_options, self.device, self.dtype)

@@ -31,19 +31,13 @@ class _DraftState:
 
     def catch_up(self, chunk: ScheduledChunk) -> int:
         """valid_len once the drafts the target kept are counted."""
-        start = self.valid_len
-        history_len = len(chunk.prompt_token_ids) + len(chunk.output_token_ids)
-        for i, token in enumerate(self.pending):
-            if start + i >= history_len or _token_at(chunk, start + i) != token:
+        real = _tokens(chunk, self.valid_len, self.valid_len + len(self.pending))
+        for draft, token in zip(self.pending, real):
+            if draft != token:
                 break
             self.valid_len += 1
         self.pending = []
         return self.valid_len
-
-
-def _token_at(chunk: ScheduledChunk, position: int) -> int:
-    num_prompt = len(chunk.prompt_token_ids)
-    return chunk.prompt_token_ids[position] if position < num_prompt else chunk.output_token_ids[position - num_prompt]
 
 
 def _tokens(chunk: ScheduledChunk, start: int, end: int) -> list[int]:
