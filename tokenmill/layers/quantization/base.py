@@ -53,3 +53,24 @@ class QuantizationConfig:
 
     def embedding_method(self, prefix: str) -> EmbeddingMethodBase:
         raise NotImplementedError
+
+
+# -- for methods that load the checkpoint's float weight and quantize it after loading ---------------
+
+
+def float_weight_to_quantize(shape: tuple[int, int], weight_loader: WeightLoader) -> nn.Parameter:
+    """The checkpoint's float weight, loaded as is and quantized after loading."""
+    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    param.weight_loader = weight_loader
+    param.output_dim = 0
+    return param
+
+
+def free_parameter(param: nn.Parameter) -> None:
+    """Drop a parameter's storage (the float weight, once quantized)."""
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous [rows, features], what the quantized kernels take."""
+    return x.reshape(-1, x.shape[-1]).contiguous()

@@ -33,9 +33,16 @@ from torch import nn
 
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.quantization import quant_utils
-from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
+from tokenmill.layers.quantization.base import (
+    EmbeddingMethodBase,
+    LinearMethodBase,
+    QuantizationConfig,
+    WeightLoader,
+    as_rows,
+    float_weight_to_quantize,
+    free_parameter,
+)
 from tokenmill.layers.quantization.unquantized import UnquantizedEmbeddingMethod, is_lm_head
-from tokenmill.layers.quantization.weight_only import _flat, _float_weight, _free
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +67,7 @@ def w8a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch
 
 class W8A8LinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
-        layer.weight = _float_weight((sum(output_sizes), input_size), weight_loader)
+        layer.weight = float_weight_to_quantize((sum(output_sizes), input_size), weight_loader)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         qweight, scale = quant_utils.quantize_int8(layer.weight.data)
@@ -71,10 +78,10 @@ class W8A8LinearMethod(LinearMethodBase):
             layer.register_buffer("weight_colsum", colsum, persistent=False)
         else:  # no C++ kernels here: the PyTorch path reads the plain int8 weight
             layer.register_buffer("qweight", qweight, persistent=False)
-        _free(layer.weight)
+        free_parameter(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = _flat(x)
+        flat = as_rows(x)
         if hasattr(layer, "packed_weight"):
             y = cpu_kernels.w8a8_linear(flat, layer.packed_weight, layer.weight_colsum, layer.weight_scale, bias)
         else:  # float32 sums: exact for any realistic layer, and much faster than float64

@@ -21,7 +21,15 @@ from torch import nn
 
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.quantization import quant_utils
-from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
+from tokenmill.layers.quantization.base import (
+    EmbeddingMethodBase,
+    LinearMethodBase,
+    QuantizationConfig,
+    WeightLoader,
+    as_rows,
+    float_weight_to_quantize,
+    free_parameter,
+)
 from tokenmill.layers.quantization.unquantized import UnquantizedEmbeddingMethod, is_lm_head
 
 logger = logging.getLogger(__name__)
@@ -29,22 +37,6 @@ logger = logging.getLogger(__name__)
 # Rows up to which the kernels beat dequantize + float GEMM (benchmarks/quant_linear.py measures
 # the crossing: the kernels win up to 8 rows on AVX-512 (Zen 4); at 16 the float GEMM does).
 KERNEL_MAX_ROWS = 8
-
-
-def _float_weight(shape: tuple[int, int], weight_loader: WeightLoader) -> nn.Parameter:
-    """The checkpoint's float weight, loaded as is and quantized after loading."""
-    param = nn.Parameter(torch.empty(shape), requires_grad=False)
-    param.weight_loader = weight_loader
-    param.output_dim = 0
-    return param
-
-
-def _free(param: nn.Parameter) -> None:
-    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).contiguous()
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
@@ -61,7 +53,7 @@ def _quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel: Callab
                       dequantized: Callable[[torch.dtype, bool], torch.Tensor]) -> torch.Tensor:
     """kernel(rows) for a decode step's few rows; otherwise the float GEMM on the weight
     dequantized to x's dtype (dequantized(dtype, by the C++ kernels or in PyTorch))."""
-    flat = _flat(x)
+    flat = as_rows(x)
     if _use_kernels(flat):
         y = kernel(flat)
     else:
@@ -81,11 +73,11 @@ def _int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -
 
 class Int8LinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
-        layer.weight = _float_weight((sum(output_sizes), input_size), weight_loader)
+        layer.weight = float_weight_to_quantize((sum(output_sizes), input_size), weight_loader)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         _store_int8(layer)
-        _free(layer.weight)
+        free_parameter(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _int8_linear(layer, x, bias)
@@ -100,7 +92,7 @@ class Int4LinearMethod(LinearMethodBase):
         self.as_int8 = False
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
-        layer.weight = _float_weight((sum(output_sizes), input_size), weight_loader)
+        layer.weight = float_weight_to_quantize((sum(output_sizes), input_size), weight_loader)
         self.as_int8 = input_size % quant_utils.INT4_BLOCK != 0
         if self.as_int8:
             logger.info("%s: %d input features are no multiple of %d; this layer is int8", getattr(layer, "prefix", "a layer"),
@@ -114,7 +106,7 @@ class Int4LinearMethod(LinearMethodBase):
             layer.register_buffer("qweight", packed, persistent=False)
             layer.register_buffer("weight_scale", scale, persistent=False)
             layer.register_buffer("weight_min", minimum, persistent=False)
-        _free(layer.weight)
+        free_parameter(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.as_int8:
