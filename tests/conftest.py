@@ -222,7 +222,7 @@ def tokenmill_logits(llm, token_ids: list[int], chunk: int) -> torch.Tensor:
     from tokenmill.sampling_params import SamplingParams
     from tokenmill.worker.batch import build_batch_inputs
 
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.driver_runner
     block_size = runner.block_size
     assert not llm.llm_engine.has_unfinished_requests()
     block_ids = list(range(1, -(-len(token_ids) // block_size) + 1))

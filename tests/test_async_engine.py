@@ -135,7 +135,7 @@ def test_bad_requests_and_a_full_queue_are_refused(model):
 def test_a_failing_step_fails_only_the_requests_in_flight(model):
     async def main():
         engine = make_engine(model)
-        runner = engine.engine.runner
+        runner = engine.engine.executor.driver_runner
         real_execute = runner.execute
         calls = {"n": 0}
 

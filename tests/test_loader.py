@@ -386,7 +386,7 @@ def test_gguf_q8_0_round_trip(tmp_path, tiny_model_factory):
         return dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
 
     llm = LLM(model=str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=128, block_size=4, max_num_batched_tokens=16)
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.driver_runner.model
     config = model.config
     original = load_file(Path(folder) / "model.safetensors")
     hf_state = {}

@@ -70,7 +70,7 @@ def test_greedy_matches_hf_without_cpu_kernels(name, tiny_model_factory, hf_refe
 
     monkeypatch.setattr(cpu_kernels, "cpu_kernels_available", lambda: False)
     llm = make_llm(tiny_model_factory(name))
-    assert llm.llm_engine.runner.attn_layers[0].backend.__name__ == "TorchPagedAttention"
+    assert llm.llm_engine.executor.driver_runner.attn_layers[0].backend.__name__ == "TorchPagedAttention"
     for prompt in random_prompts(PROMPT_LENGTHS, seed=11):
         assert generate(llm, [prompt])[0] == hf_reference(name, prompt), f"{name}: prompt of {len(prompt)} tokens"
 
@@ -131,7 +131,7 @@ def test_prompt_logits_match_hf(name, tiny_model_factory, hf_model_factory):
 def test_rotary_tables_match_hf(name, tiny_model_factory, hf_model_factory):
     """cos/sin for every position equal HF's rotary embedding (default, llama3 and linear scaling)."""
     llm = make_llm(tiny_model_factory(name), num_kv_blocks=80)
-    rotary = llm.llm_engine.runner.model.model.rotary_emb
+    rotary = llm.llm_engine.executor.driver_runner.model.model.rotary_emb
     hf = hf_model_factory(name)
     positions = torch.arange(rotary.cos_cache.shape[0])[None]
     head_dim = rotary.cos_cache.shape[1]
@@ -162,7 +162,7 @@ def test_sliding_window_layers(tiny_model_factory):
     """Mistral slides on every layer; Qwen2 with max_window_layers=1 only from layer 1; plain Qwen2 never."""
 
     def windows(name: str) -> list:
-        model = make_llm(tiny_model_factory(name), num_kv_blocks=80).llm_engine.runner.model
+        model = make_llm(tiny_model_factory(name), num_kv_blocks=80).llm_engine.executor.driver_runner.model
         return [layer.self_attn.attn.sliding_window for layer in model.model.layers]
 
     assert windows("mistral_swa") == [8, 8]
@@ -207,8 +207,8 @@ def test_half_precision_logits_close_to_hf(name, dtype, tiny_model_factory, hf_m
         ref16 = hf_model_factory(name, torch_dtype)(ids).logits[0].float()
     llm = make_llm(tiny_model_factory(name), dtype=dtype, num_kv_blocks=32)
     got = tokenmill_logits(llm, prompt, chunk=16)
-    assert next(llm.llm_engine.runner.model.parameters()).dtype == torch_dtype
-    assert llm.llm_engine.runner.attn_layers[0].k_cache.dtype == torch_dtype
+    assert next(llm.llm_engine.executor.driver_runner.model.parameters()).dtype == torch_dtype
+    assert llm.llm_engine.executor.driver_runner.attn_layers[0].k_cache.dtype == torch_dtype
 
     hf_err = (ref16 - ref32).abs().mean().item()
     our_err = (got - ref32).abs().mean().item()

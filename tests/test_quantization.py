@@ -61,7 +61,7 @@ def test_quantized_engine_computes_the_fake_quantized_model(tiny_model_factory, 
 @needs_kernels
 def test_quantized_weights_replace_the_float_ones(tiny_model_factory):
     llm = LLM(tiny_model_factory("qwen2"), dtype="float32", num_kv_blocks=16, quantization="int4", quantization_options={"group_size": 32})
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.driver_runner.model
     linears = [m for m in model.modules() if type(m).__name__ in ("Linear", "MergedLinear", "QKVLinear")]
     assert linears
     for layer in linears:

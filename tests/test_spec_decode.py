@@ -273,7 +273,7 @@ def test_self_draft_equals_decoding_without(tiny_model_factory, model):
     assert stats.num_preemptions > 0
     assert stats.spec_decode.num_accepted_tokens > stats.spec_decode.num_draft_tokens / 2
     assert_no_blocks_held(llm)
-    assert not llm.llm_engine._drafter._states  # nothing kept of finished requests
+    assert not llm.llm_engine.executor.worker.drafter._states  # nothing kept of finished requests
 
 
 def test_a_separate_draft_model(tiny_model_factory):

@@ -92,7 +92,7 @@ def test_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(llm):
 
 def test_a_failure_of_the_whole_batch_fails_every_request_of_the_step_and_the_engine_goes_on(llm):
     engine = llm.llm_engine
-    runner = engine.runner
+    runner = engine.executor.driver_runner
     real = runner.execute
     broken = {"on": True}
 

@@ -175,7 +175,7 @@ def _fake_quantized_reference(src: str, dst) -> LLM:
                 module.weight.copy_(Q.dequantize_int8(*Q.quantize_int8(module.weight)))
     model.save_pretrained(dst, safe_serialization=True)
     llm = LLM(str(dst), dtype="float32", num_kv_blocks=64)
-    for module in llm.llm_engine.runner.model.modules():
+    for module in llm.llm_engine.executor.driver_runner.model.modules():
         if isinstance(module, Linear):
             module.method = FakeQuantActivations()
     return llm
@@ -193,7 +193,7 @@ def test_w8a8_engine_computes_the_fake_quantized_model(tiny_model_factory, tmp_p
 @needs_kernels
 def test_w8a8_weights_replace_the_float_ones(tiny_model_factory):
     llm = LLM(tiny_model_factory("qwen2"), dtype="float32", num_kv_blocks=16, quantization="w8a8")
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.driver_runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears
     for layer in linears:

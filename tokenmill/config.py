@@ -118,13 +118,34 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 @dataclass
 class ParallelConfig:
+    # Tensor parallelism: each layer split over this many ranks (processes), which all-reduce per layer.
     tensor_parallel_size: int = 1
+    # Data parallelism: this many engine replicas, each with its share of the cores (or its own GPU).
+    data_parallel_size: int = 1
+    # Where the ranks run: "uni" (this process; one rank only), "mp" (one spawned process per extra
+    # rank, the default for several), "ray" (Ray actors, on an existing Ray cluster or a local one).
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {backend!r}")
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError('distributed_executor_backend "uni" runs one rank; tensor_parallel_size > 1 needs "mp" or "ray"')
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend that runs the ranks: as given, else "uni" for one rank and "mp" for several."""
+        return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "mp")
 
 
 @dataclass

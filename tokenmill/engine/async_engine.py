@@ -34,6 +34,7 @@ from tokenmill.engine.engine import EngineStats, LLMEngine, PromptInput
 from tokenmill.engine.output_processor import CoreStep, StopOrder
 from tokenmill.engine.request import Request
 from tokenmill.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
+from tokenmill.executor import ExecutorDiedError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -250,15 +251,17 @@ class AsyncLLMEngine:
                         break
                 for command in commands:
                     if isinstance(command, _Shutdown):
+                        engine.shutdown()  # the model's other ranks, from the thread that runs its steps
                         self._send(_Shutdown())
                         return
                     self._handle_command(command)
                 if engine.has_unfinished_requests():
                     self._run_step()
                 self._stats = engine.stats()
-        except BaseException as exc:  # a bug: every caller must hear of it, none may hang
+        except BaseException as exc:  # a bug, or a rank of the model gone: every caller must hear of it, none may hang
             logger.exception("the engine loop failed")
             self._dead = exc
+            engine.shutdown()
             self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine loop failed: {exc!r}"))
             self._send(_Shutdown())
 
@@ -281,6 +284,8 @@ class AsyncLLMEngine:
     def _run_step(self) -> None:
         try:
             step = self.engine.step_core()
+        except ExecutorDiedError:
+            raise  # the model is gone: the loop fails every request and the engine reports itself dead
         except RequestFailedError as exc:
             # The engine isolated the requests that failed (and aborted them); the rest go on.
             self._send(_Failed(exc.request_ids, exc))

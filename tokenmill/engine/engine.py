@@ -11,11 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-import psutil
-import torch
-
-from tokenmill.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_device, resolve_dtype
-from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, cdiv
+from tokenmill.config import EngineConfig, resolve_device, resolve_dtype
+from tokenmill.engine.kv_cache import BlockPool, KVCacheManager
 from tokenmill.engine.logprobs import LogprobsProcessor, check_token_controls
 from tokenmill.engine.output_processor import CoreStep, OutputProcessor, SequenceUpdate
 from tokenmill.engine.beam_search import BeamSearchGroup, beam_sampling_params
@@ -25,20 +22,13 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.speculation import make_proposer
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import InvalidRequestError, PromptTooLongError, RequestFailedError
-from tokenmill.layers.quantization import get_quantization_config
-from tokenmill.loader import ModelSource, build_model, load_model_source
+from tokenmill.executor import Executor, ExecutorDiedError, make_executor
+from tokenmill.loader import load_model_source
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams, check_text
 from tokenmill.spec_decode.metrics import SpecDecodeStats
-from tokenmill.worker.draft_proposer import DraftModelProposer
-from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-_GiB = 1 << 30
-_CPU_DEFAULT_KV_CAP = 4 * _GiB  # like vLLM's CPU backend default KV space
-_CPU_DEFAULT_FRACTION = 0.25
-_GPU_DEFAULT_FRACTION = 0.9
 
 PromptInput = str | Sequence[int] | dict
 
@@ -55,13 +45,10 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, when it is on
 
 
-def _context_length(hf_config) -> int:
-    """The model's context length: max_position_embeddings, or GPT-2's n_positions."""
-    return getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions")
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError("an LLMEngine is one replica: data_parallel_size > 1 runs several behind LLM(...) or `tokenmill serve`")
         self.config = config
         self.device = resolve_device(config.device)
         source = load_model_source(config.model)
@@ -72,20 +59,19 @@ class LLMEngine:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.dtype = resolve_dtype(config.model.dtype, self.device, source.checkpoint_dtype)
 
-        model_max = _context_length(self.hf_config)
+        model_max = source.context_length
         max_model_len = config.model.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max}")
 
-        quant_config = get_quantization_config(config.model.quantization, config.model.quantization_options, self.device, self.dtype)
-        model = build_model(source, self.device, self.dtype, max_model_len, quant_config)
         block_size = config.cache.block_size
-        self.runner = ModelRunner(model, self.device, self.dtype, block_size)
-        self._drafter = self._make_drafter(config.speculative, source, max_model_len)
-        num_blocks = self._num_kv_blocks(max_model_len)
-        self.runner.allocate_kv_cache(num_blocks)
-        if self._drafter is not None:
-            self._drafter.allocate_kv_cache(num_blocks)  # the same block ids: the draft's KV lives where the target's does
+        self.executor: Executor = make_executor(config, source, self.device, self.dtype, max_model_len)
+        try:
+            num_blocks = self.executor.determine_num_blocks()
+            self.executor.init_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
 
         capacity = (num_blocks - 1) * block_size
         if capacity < max_model_len:
@@ -118,50 +104,6 @@ class LLMEngine:
             "loaded %s (%s, %s on %s); KV cache: %d blocks of %d tokens",
             self.model_name, self.hf_config.architectures[0], self.dtype, self.device, num_blocks, block_size,
         )
-
-    def _make_drafter(self, spec: SpeculativeConfig | None, source: ModelSource, max_model_len: int) -> DraftModelProposer | None:
-        """The draft_model proposer's model, built beside the target's: "self" is the target's own weights
-        under the draft's quantization (int4 by default)."""
-        if spec is None or spec.method != "draft_model":
-            return None
-        draft_source = source
-        if spec.model != "self":
-            draft_source = load_model_source(ModelConfig(model=spec.model, skip_tokenizer_init=True))
-            draft_vocab = int(draft_source.hf_config.vocab_size)
-            if draft_vocab != self.vocab_size:
-                raise ValueError(f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's ({self.vocab_size}): "
-                                 "a draft model must share the target's tokenizer")
-            draft_max = _context_length(draft_source.hf_config)
-            if draft_max < max_model_len:
-                raise ValueError(f"the draft model's context ({draft_max} tokens) is shorter than max_model_len ({max_model_len}); lower max_model_len")
-        quant = get_quantization_config(spec.quantization, spec.quantization_options, self.device, self.dtype)
-        model = build_model(draft_source, self.device, self.dtype, max_model_len, quant)
-        return DraftModelProposer(ModelRunner(model, self.device, self.dtype, self.config.cache.block_size))
-
-    def _num_kv_blocks(self, max_model_len: int) -> int:
-        cache = self.config.cache
-        per_block = self.runner.kv_bytes_per_block()
-        if self._drafter is not None:
-            per_block += self._drafter.kv_bytes_per_block()
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        if cache.kv_cache_memory is not None:
-            budget = cache.kv_cache_memory
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * (cache.memory_fraction or _GPU_DEFAULT_FRACTION))
-        else:
-            available = psutil.virtual_memory().available
-            if cache.memory_fraction is not None:
-                budget = int(available * cache.memory_fraction)
-            else:
-                budget = min(int(available * _CPU_DEFAULT_FRACTION), _CPU_DEFAULT_KV_CAP)
-        # No point holding more than every sequence at full length could use.
-        useful = cdiv(max_model_len, cache.block_size) * self.config.scheduler.max_num_seqs + 1
-        num_blocks = min(budget // per_block, useful)
-        if num_blocks < 2:
-            raise ValueError(f"the KV cache budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes; raise kv_cache_memory")
-        return int(num_blocks)
 
     # -- requests ---------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -353,21 +295,18 @@ class LLMEngine:
             request = requests[chunk.request_id]
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = start
-        self.runner.copy_blocks(scheduled.block_copies)  # copy-on-write of blocks shared by forked sequences
         try:
-            if self._drafter is not None:
-                self._drafter.forget(scheduled.preempted_request_ids)
-                self._drafter.copy_blocks(scheduled.block_copies)
-                self._drafter.fill(scheduled.chunks)
+            self.executor.prepare_step(scheduled)  # copy-on-write of blocks shared by forked sequences; drafts
             sampled = self._compute(scheduled.chunks)
+        except ExecutorDiedError:
+            raise  # no rank to retry on: the engine is done
         except Exception as exc:
             self._fail_step(scheduled, exc)
         updated, _ = self.scheduler.update(scheduled, sampled.sampled_token_ids, sampled.sampled_logprobs)
         self._logprobs.record(scheduled.chunks, sampled, updated, self.scheduler.requests)
         if self._structured is not None:
             self._accept_structured(updated)
-        if self._drafter is not None:
-            self._drafter.keep_only(self.scheduler.requests.keys())
+        self.executor.keep_only(self.scheduler.requests.keys())
         if self._proposer is not None:
             self._proposer.propose(self.scheduler.running)
         step = CoreStep(time=time.monotonic())
@@ -393,9 +332,9 @@ class LLMEngine:
         """The step's tensor work: grammar masks, forward pass, sampling. It changes no request state
         (only KV slots the chunks own), so a failed step can be re-run on parts of its batch."""
         if self._structured is None:
-            return self.runner.execute(chunks)
+            return self.executor.execute_model(chunks)
         bitmask = self._structured.bitmask(chunks, self.scheduler.requests)
-        return self.runner.execute(chunks, grammar_bitmask=bitmask)
+        return self.executor.execute_model(chunks, grammar_bitmask=bitmask)
 
     def _failing_chunks(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """The chunks of a failed batch that fail on their own, found by re-running halves (bisection:
@@ -408,6 +347,8 @@ class LLMEngine:
         for part in (chunks[:half], chunks[half:]):
             try:
                 self._compute(part)
+            except ExecutorDiedError:
+                raise
             except Exception:  # noqa: BLE001 - a probe: the failure is what we are looking for
                 failing.extend(self._failing_chunks(part))
         return failing or chunks
@@ -426,8 +367,7 @@ class LLMEngine:
         logger.error("an engine step failed; failing requests %s and recomputing the other %d of the step",
                      request_ids, len(scheduled.chunks) - len(failing), exc_info=exc)
         self.scheduler.requeue_failed_step(scheduled)
-        if self._drafter is not None:
-            self._drafter.forget(c.request_id for c in scheduled.chunks)
+        self.executor.forget(c.request_id for c in scheduled.chunks)
         for request_id in request_ids:
             self.abort_core(request_id)
         raise RequestFailedError(request_ids, exc) from exc
@@ -461,6 +401,10 @@ class LLMEngine:
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
         )
+
+    def shutdown(self) -> None:
+        """Stop the model's other ranks, if it has any (with one rank there is nothing to stop)."""
+        self.executor.shutdown()
 
     def _make_beam_output(self, group: BeamSearchGroup) -> RequestOutput:
         self._groups.pop(group.request_id, None)

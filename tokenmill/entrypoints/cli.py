@@ -30,6 +30,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 8}\'',
     )
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split every layer over N ranks (processes) that all-reduce per layer; on a CPU each rank gets its share of the cores")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="run N engine replicas, each with its share of the cores, behind one front end")
+    g.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None,
+                   help="where tensor-parallel ranks run: mp (spawned processes, the default for several) or ray (Ray actors)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -94,6 +100,9 @@ def engine_config_from_args(args: argparse.Namespace):
         seed=args.engine_seed,
         grammar_compile_timeout=args.grammar_compile_timeout,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 

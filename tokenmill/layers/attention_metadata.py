@@ -79,6 +79,15 @@ class BatchInputs:
     num_tokens: int
     _slot_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
+    def to(self, device: torch.device) -> "BatchInputs":
+        """The same inputs on another device (a tensor-parallel rank's), without the per-step caches."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        groups = [AttentionGroup(move(g.token_index), move(g.block_table), move(g.query_pos), g.from_start) for g in self.attn_groups]
+        return BatchInputs(move(self.input_ids), move(self.positions), move(self.slot_mapping), move(self.query_start_loc),
+                           move(self.seq_lens), move(self.block_tables), move(self.logits_indices), groups, self.block_size, self.num_tokens)
+
     def slot_rows(self, num_kv_heads: int, num_slots: int) -> torch.Tensor:
         """Rows of a head-major cache viewed as [num_kv_heads * num_slots, head_dim] where the new
         tokens' K/V go: head h's slots first, then head h + 1's (computed once per step)."""

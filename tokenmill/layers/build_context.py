@@ -13,22 +13,15 @@ from typing import Any
 
 import torch
 
+from tokenmill.distributed.communicator import TPCommunicator
 from tokenmill.layers.quantization import QuantizationConfig, UnquantizedConfig
-
-
-@dataclass(frozen=True)
-class ParallelContext:
-    """This process's place in tensor parallelism (1 of 1 until it lands)."""
-
-    tp_rank: int = 0
-    tp_size: int = 1
 
 
 @dataclass
 class ModelBuildContext:
     hf_config: Any = None
     quant_config: QuantizationConfig = field(default_factory=UnquantizedConfig)
-    parallel: ParallelContext = field(default_factory=ParallelContext)
+    parallel: TPCommunicator = field(default_factory=TPCommunicator)  # this rank's tensor-parallel group
     lora_config: Any = None  # multi-LoRA: adapters' ranks and targets (not yet)
     max_position: int | None = None  # the rotary table's length (the engine's max_model_len)
     rope_freq_factors: torch.Tensor | None = None  # Llama 3 GGUF files carry them as a tensor

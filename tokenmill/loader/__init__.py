@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.distributed.communicator import TPCommunicator
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.quantization import QuantizationConfig, UnquantizedConfig
@@ -50,12 +51,14 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, max_position: int,
-                quant_config: QuantizationConfig | None = None) -> nn.Module:
+                quant_config: QuantizationConfig | None = None, parallel: TPCommunicator | None = None) -> nn.Module:
     """The model on its device: constructed from one ModelBuildContext, weights loaded, then each
-    layer's method turns its loaded parameters into what it computes with."""
+    layer's method turns its loaded parameters into what it computes with. With tensor parallelism
+    (parallel: this rank's group) each layer keeps only its rank's slice of each checkpoint tensor."""
     ctx = ModelBuildContext(
         hf_config=source.hf_config,
         quant_config=quant_config or UnquantizedConfig(device, dtype),
+        parallel=parallel or TPCommunicator(),
         max_position=max_position,
         rope_freq_factors=source.rope_freq_factors,
     )

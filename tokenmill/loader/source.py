@@ -18,6 +18,11 @@ class ModelSource:
     checkpoint_dtype: torch.dtype | None = None
     rope_freq_factors: torch.Tensor | None = None  # llama.cpp's baked llama3 RoPE factors
 
+    @property
+    def context_length(self) -> int:
+        """The model's context length: max_position_embeddings, or GPT-2's n_positions."""
+        return getattr(self.hf_config, "max_position_embeddings", None) or getattr(self.hf_config, "n_positions")
+
 
 def eos_ids_from(*values) -> set[int]:
     """Collect EOS ids from config / generation config / tokenizer values (int, list or None)."""

@@ -11,7 +11,7 @@ from tokenmill.layers.activation import get_activation
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import ModelBuildContext, join_prefix
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import ColumnParallelLinear, QKVLinear, RowParallelLinear
 from tokenmill.layers.norm import LayerNorm
 from tokenmill.models.weights import load_named_weights
 from tokenmill.layers.attention_metadata import BatchInputs
@@ -25,13 +25,15 @@ class GPT2Attention(nn.Module):
         super().__init__()
         config = ctx.hf_config
         hidden = config.n_embd
-        self.num_heads = config.n_head
-        head_dim = hidden // self.num_heads
+        head_dim = hidden // config.n_head
         scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= layer_idx + 1
-        self.c_attn = Linear(hidden, 3 * hidden, bias=True, ctx=ctx, prefix=join_prefix(prefix, "c_attn"))
-        self.c_proj = Linear(hidden, hidden, bias=True, ctx=ctx, prefix=join_prefix(prefix, "c_proj"))
+        # The checkpoint's c_attn is one fused [q; k; v] tensor: loaded whole, split by heads per rank.
+        self.c_attn = QKVLinear(hidden, head_dim, config.n_head, config.n_head, bias=True, ctx=ctx, prefix=join_prefix(prefix, "c_attn"))
+        self.c_proj = RowParallelLinear(hidden, hidden, bias=True, ctx=ctx, prefix=join_prefix(prefix, "c_proj"),
+                                        input_slice=self.c_attn.heads.input_slice(head_dim))
+        self.num_heads = self.c_attn.heads.num_heads  # this rank's
         self.attn = Attention(self.num_heads, head_dim, self.num_heads, scale)
 
     def forward(self, hidden: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
@@ -44,8 +46,8 @@ class GPT2MLP(nn.Module):
         super().__init__()
         config = ctx.hf_config
         inner = config.n_inner or 4 * config.n_embd
-        self.c_fc = Linear(config.n_embd, inner, bias=True, ctx=ctx, prefix=join_prefix(prefix, "c_fc"))
-        self.c_proj = Linear(inner, config.n_embd, bias=True, ctx=ctx, prefix=join_prefix(prefix, "c_proj"))
+        self.c_fc = ColumnParallelLinear(config.n_embd, inner, bias=True, ctx=ctx, prefix=join_prefix(prefix, "c_fc"))
+        self.c_proj = RowParallelLinear(inner, config.n_embd, bias=True, ctx=ctx, prefix=join_prefix(prefix, "c_proj"))
         self.act = get_activation(config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +73,7 @@ class GPT2Model(nn.Module):
         super().__init__()
         config = ctx.hf_config
         self.wte = VocabEmbedding(config.vocab_size, config.n_embd, ctx=ctx, prefix=join_prefix(prefix, "wte"))
-        self.wpe = VocabEmbedding(config.n_positions, config.n_embd, ctx=ctx, prefix=join_prefix(prefix, "wpe"))
+        self.wpe = VocabEmbedding(config.n_positions, config.n_embd, ctx=ctx, prefix=join_prefix(prefix, "wpe"), replicated=True)
         self.h = nn.ModuleList(GPT2Block(ctx, i, join_prefix(prefix, f"h.{i}")) for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
 
@@ -93,7 +95,7 @@ class GPT2LMHeadModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         return self.transformer(input_ids, positions, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -12,7 +12,7 @@ from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import ModelBuildContext, join_prefix
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
-from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear
+from tokenmill.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.weights import load_named_weights
@@ -36,15 +36,17 @@ class LlamaAttention(nn.Module):
         super().__init__()
         config = ctx.hf_config
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         is_qwen2 = config.model_type == "qwen2"  # Qwen2: bias on q/k/v only
-        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=attention_bias or is_qwen2,
+        self.qkv_proj = QKVLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias=attention_bias or is_qwen2,
                                   ctx=ctx, prefix=join_prefix(prefix, "qkv_proj"))
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=attention_bias and not is_qwen2,
-                             ctx=ctx, prefix=join_prefix(prefix, "o_proj"))
+        # This rank's heads (all of them with one rank).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.heads.num_heads, self.qkv_proj.heads.num_kv_heads
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=attention_bias and not is_qwen2, ctx=ctx,
+                                        prefix=join_prefix(prefix, "o_proj"), input_slice=self.qkv_proj.heads.input_slice(self.head_dim))
         self.q_norm = self.k_norm = None
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -73,7 +75,8 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
                                          ctx=ctx, prefix=join_prefix(prefix, "gate_up_proj"))
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, ctx=ctx, prefix=join_prefix(prefix, "down_proj"))
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, ctx=ctx,
+                                           prefix=join_prefix(prefix, "down_proj"))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +147,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits; with tensor parallelism on rank 0 only (None on the others)."""
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

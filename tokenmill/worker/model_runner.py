@@ -6,17 +6,36 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenmill.distributed.communicator import TPCommunicator
 from tokenmill.engine.messages import ModelRunnerOutput, PositionLogprobs, PromptLogprobsChunk, ScheduledChunk
 from tokenmill.layers.attention import Attention, GatherWorkspace, attention_backend
+from tokenmill.layers.attention_metadata import BatchInputs
 from tokenmill.spec_decode.verify import draft_rows, num_kept
 from tokenmill.worker.batch import build_batch_inputs
 from tokenmill.worker.cpu_memory import tune_malloc, zeros_huge_page_aligned
 from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
 
 
+class Followers:
+    """Rank 0's line to the other tensor-parallel ranks: each announced operation is broadcast to them."""
+
+    def __init__(self, comm: TPCommunicator) -> None:
+        self.comm = comm
+
+    def announce(self, op: tuple) -> None:
+        self.comm.broadcast_object(op)
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
+    """followers: with tensor parallelism, on rank 0, the other ranks: every operation that runs the
+    model or touches its KV cache is announced to them first (as ("op", name, args)), so they run the
+    same one on their shards in step; `name` tells them which model (the target's or the draft's)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
+                 followers: "Followers | None" = None, name: str = "target") -> None:
         self.model = model
+        self.followers = followers
+        self.name = name
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -39,6 +58,7 @@ class ModelRunner:
         Zeroed, so never-written slots (the null block, a block's unfilled tail) hold finite
         values: attention masks them, and 0 * garbage could otherwise be NaN.
         """
+        self._announce("init_kv", num_blocks)
         workspace = GatherWorkspace()
         backend = attention_backend(self.device)
         for layer in self.attn_layers:
@@ -65,6 +85,7 @@ class ModelRunner:
         """
         if not pairs:
             return
+        self._announce("copy_blocks", pairs)
         src = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=self.device)
         dst = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=self.device)
         for layer in self.attn_layers:
@@ -80,14 +101,14 @@ class ModelRunner:
         grammar_bitmask: structured output's allowed tokens, one row per sampling row (ScheduledChunk.sampling_rows, in order).
         """
         batch = build_batch_inputs(chunks, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
+        hidden = self.forward(batch)
         result = ModelRunnerOutput.empty(len(chunks))
         self._prompt_logprobs(chunks, hidden, result)
         sampling = [i for i, c in enumerate(chunks) if c.sample]
         if not sampling:
             return result
         rows = [row for i in sampling for row in chunks[i].sampling_rows()]
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.compute_logits(hidden, batch.logits_indices)
         meta = SamplingMetadata.from_chunks(rows, self.device)
         if grammar_bitmask is not None:
             meta.grammar_bitmask = grammar_bitmask.to(self.device)
@@ -109,6 +130,20 @@ class ModelRunner:
                 result.logprobs[i] = [row_logprobs[j] for j in range(first, first + n)]
             first += count
         return result
+
+    def forward(self, batch: BatchInputs) -> torch.Tensor:
+        """The hidden states of the batch's tokens (every rank's forward pass: the layers all-reduce)."""
+        self._announce("forward", batch if self.device.type == "cpu" else batch.to(torch.device("cpu")))
+        return self.model(batch.input_ids, batch.positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits of the given rows of hidden (on rank 0; the other ranks compute their vocabulary slices)."""
+        self._announce("logits", rows.cpu())
+        return self.model.compute_logits(hidden[rows])
+
+    def _announce(self, op: str, *args) -> None:
+        if self.followers is not None:
+            self.followers.announce((op, self.name, *args))
 
     def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, result: "ModelRunnerOutput") -> None:
         """Logprobs of the prompt tokens this step's chunks predict, for requests with prompt_logprobs.
@@ -134,7 +169,7 @@ class ModelRunner:
         )
         pieces = []
         for lo in range(0, len(rows), _PROMPT_LOGPROBS_ROWS):  # bounded [rows, vocab] logits at a time
-            logits = self.model.compute_logits(hidden[rows[lo : lo + _PROMPT_LOGPROBS_ROWS]])
+            logits = self.compute_logits(hidden, rows[lo : lo + _PROMPT_LOGPROBS_ROWS])
             pieces.append(compute_logprobs(logits, targets[lo : lo + _PROMPT_LOGPROBS_ROWS], max_k))
         lp = LogprobsTensors(*(torch.cat([getattr(p, f) for p in pieces]) for f in ("token_logprobs", "ranks", "topk_ids", "topk_logprobs")))
         flat = _logprobs_lists(targets, lp, range(len(targets)))

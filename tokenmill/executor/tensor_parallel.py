@@ -1,0 +1,172 @@
+"""TensorParallelExecutor: rank 0 in the engine's process, the other ranks elsewhere (spawned processes
+or Ray actors: the subclasses), all in one tensor-parallel group.
+
+Every call the engine makes runs on rank 0, which announces to the other ranks what to run (worker.py).
+A failure during a step leaves the ranks out of step with each other (one may be waiting in a
+collective the others will never reach), so any error there is fatal: the engine fails with
+ExecutorDiedError naming the cause, and no request waits for a rank that is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import replace
+from typing import TypeVar
+
+import torch
+
+from tokenmill.distributed.communicator import TPCommunicator, join_tensor_parallel
+from tokenmill.engine.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from tokenmill.executor.base import Executor, ExecutorDiedError
+from tokenmill.loader import ModelSource
+from tokenmill.worker.worker import Worker, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Seconds a collective may wait for a rank before the group gives up (a first start that builds the
+# CPU kernels can hold one rank for minutes; a dead rank is noticed at once, by its closed connection).
+COLLECTIVE_TIMEOUT_S = 1800.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def rank_spec(spec: WorkerSpec, rank: int) -> WorkerSpec:
+    """A rank's spec: on CUDA, rank r runs on GPU r."""
+    if spec.device.type == "cuda":
+        return replace(spec, device=torch.device("cuda", rank))
+    return spec
+
+
+def cpu_share(rank: int, size: int, cores: list[int] | None = None) -> list[int]:
+    """The cores rank `rank` of `size` runs on: an even, contiguous share of this process's cores (all of them
+    for every rank when there are fewer cores than ranks)."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    per_rank = len(cores) // size
+    if per_rank == 0:
+        return cores
+    return cores[rank * per_rank : (rank + 1) * per_rank]
+
+
+def pin_process(cores: list[int]) -> None:
+    """Every thread of this process onto these cores, and torch's thread pool sized to them."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that just ended
+            pass
+    torch.set_num_threads(len(cores))
+
+
+def follower_main(rank: int, size: int, host: str, port: int, spec: WorkerSpec, cores: list[int] | None) -> None:
+    """A rank > 0: join the group, build this rank's shards, run what rank 0 announces. Any failure ends
+    the process, which rank 0 notices at once (the group's connections close)."""
+    try:
+        if cores is not None and spec.device.type == "cpu":
+            pin_process(cores)
+        spec = rank_spec(spec, rank)
+        comm = join_tensor_parallel(rank, size, host, port, spec.device, COLLECTIVE_TIMEOUT_S)
+        Worker(spec, comm).follow()
+        comm.close()
+    except BaseException:  # noqa: BLE001 - anything: log it where the operator sees it, then go
+        logger.exception("tensor-parallel rank %d failed", rank)
+        os._exit(1)
+
+
+class TensorParallelExecutor(Executor):
+    def __init__(self, spec: WorkerSpec, source: ModelSource) -> None:
+        self.size = spec.config.parallel.tensor_parallel_size
+        self.comm: TPCommunicator | None = None
+        host, port = self.rendezvous_address(), free_port()
+        cores = None
+        if spec.device.type == "cpu":
+            cores = [cpu_share(r, self.size) for r in range(self.size)]
+        self.start_followers(spec, host, port, cores)
+        # This process's cores and threads before rank 0 took its share (given back at shutdown).
+        self._saved_cpu = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+        try:
+            if cores is not None:
+                pin_process(cores[0])
+            self.comm = self.join(host, port, spec.device)
+            super().__init__(spec, source)
+        except BaseException:
+            self.stop_followers()
+            cores_before, threads = self._saved_cpu
+            pin_process(cores_before)
+            torch.set_num_threads(threads)
+            raise
+
+    # -- what the subclasses provide --------------------------------------------------------------
+    def rendezvous_address(self) -> str:
+        return "127.0.0.1"
+
+    def start_followers(self, spec: WorkerSpec, host: str, port: int, cores: list[list[int]] | None) -> None:
+        raise NotImplementedError
+
+    def join(self, host: str, port: int, device: torch.device) -> TPCommunicator:
+        """Rank 0's side of the rendezvous (the subclass watches its followers while it waits)."""
+        return join_tensor_parallel(0, self.size, host, port, device, COLLECTIVE_TIMEOUT_S)
+
+    def follower_failure(self) -> str | None:
+        """Why a follower is gone, if one is (None while all run)."""
+        return None
+
+    def stop_followers(self) -> None:
+        raise NotImplementedError
+
+    # -- the executor's calls, each fatal on failure ---------------------------------------------
+    def _make_driver_worker(self, spec: WorkerSpec, source: ModelSource) -> Worker:
+        return Worker(spec, self.comm, source)
+
+    def _guarded(self, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except Exception as exc:
+            gone = self.follower_failure()
+            cause = gone or f"{type(exc).__name__}: {exc}"
+            self.stop_followers()
+            raise ExecutorDiedError(f"tensor parallelism stopped: {cause}") from exc
+
+    def determine_num_blocks(self) -> int:
+        def run() -> int:
+            self.comm.broadcast_object(("num_kv_blocks",))
+            return self.comm.min_int(self.worker.num_kv_blocks())
+
+        return self._guarded(run)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._guarded(lambda: self.worker.init_kv_cache(num_blocks))
+
+    def prepare_step(self, scheduled: SchedulerOutput) -> None:
+        self._guarded(lambda: self.worker.prepare_step(scheduled))
+
+    def execute_model(self, chunks: list[ScheduledChunk], grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
+        return self._guarded(lambda: self.worker.execute_model(chunks, grammar_bitmask))
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        self.worker.forget(request_ids)
+
+    def keep_only(self, request_ids: Collection[str]) -> None:
+        self.worker.keep_only(request_ids)
+
+    def shutdown(self) -> None:
+        if self.comm is not None and self.follower_failure() is None:
+            try:
+                self.comm.broadcast_object(("stop",))
+            except Exception:  # noqa: BLE001 - a follower already gone: stopping is all that is left
+                pass
+        self.stop_followers()
+        if self.comm is not None:
+            self.comm.close()
+            cores, threads = self._saved_cpu
+            pin_process(cores)
+            torch.set_num_threads(threads)
+        self.comm = None

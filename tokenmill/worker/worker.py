@@ -1,0 +1,164 @@
+"""Worker: one rank's models and KV caches (the target's runner, and the draft model's when speculative
+decoding drafts with one), built from the engine's config.
+
+Rank 0 lives in the engine's process and does everything the engine asks (the executor's calls).
+With tensor parallelism each other rank runs `follow`: it waits for what rank 0 announces (a forward
+pass, the logits of some rows, a KV cache to allocate or blocks to copy) and runs the same on its
+shards, so the layers' collectives meet. Only rank 0 samples (the LM head gathers the logits there):
+the other ranks need no request state at all, only each step's batch inputs (token ids of this step,
+positions, slots, block tables), never token histories or sampling parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.distributed.communicator import TPCommunicator
+from tokenmill.engine.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from tokenmill.layers.quantization import get_quantization_config
+from tokenmill.loader import ModelSource, build_model, load_model_source
+from tokenmill.worker.draft_proposer import DraftModelProposer
+from tokenmill.worker.model_runner import Followers, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+_CPU_DEFAULT_KV_CAP = 4 * _GiB  # like vLLM's CPU backend default KV space (per rank)
+_CPU_DEFAULT_FRACTION = 0.25
+_GPU_DEFAULT_FRACTION = 0.9
+
+
+@dataclass
+class WorkerSpec:
+    """What a rank builds its models from (picklable: sent to spawned ranks)."""
+
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, comm: TPCommunicator | None = None, source: ModelSource | None = None) -> None:
+        """source: the target's, when the caller has loaded it already (rank 0 in the engine's process)."""
+        self.spec = spec
+        self.comm = comm or TPCommunicator()
+        config = spec.config
+        if source is None:
+            source = load_model_source(ModelConfig(**{**vars(config.model), "skip_tokenizer_init": True}))
+        followers = Followers(self.comm) if self.comm.size > 1 and self.comm.is_driver else None
+        quant = get_quantization_config(config.model.quantization, config.model.quantization_options, spec.device, spec.dtype)
+        model = build_model(source, spec.device, spec.dtype, spec.max_model_len, quant, self.comm)
+        self.runner = ModelRunner(model, spec.device, spec.dtype, config.cache.block_size, followers, "target")
+        self.drafter = self._make_drafter(source, followers)
+
+    def _make_drafter(self, source: ModelSource, followers: Followers | None) -> DraftModelProposer | None:
+        """The draft_model proposer's model, built beside the target's: "self" is the target's own weights
+        under the draft's quantization."""
+        spec, draft = self.spec, self.spec.config.speculative
+        if draft is None or draft.method != "draft_model":
+            return None
+        draft_source = source
+        if draft.model != "self":
+            draft_source = load_model_source(ModelConfig(model=draft.model, skip_tokenizer_init=True))
+            draft_vocab, vocab = int(draft_source.hf_config.vocab_size), int(source.hf_config.vocab_size)
+            if draft_vocab != vocab:
+                raise ValueError(f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's ({vocab}): "
+                                 "a draft model must share the target's tokenizer")
+            draft_max = draft_source.context_length
+            if draft_max < spec.max_model_len:
+                raise ValueError(f"the draft model's context ({draft_max} tokens) is shorter than max_model_len ({spec.max_model_len}); "
+                                 "lower max_model_len")
+        quant = get_quantization_config(draft.quantization, draft.quantization_options, spec.device, spec.dtype)
+        model = build_model(draft_source, spec.device, spec.dtype, spec.max_model_len, quant, self.comm)
+        return DraftModelProposer(ModelRunner(model, spec.device, spec.dtype, spec.config.cache.block_size, followers, "draft"))
+
+    def _runners(self) -> dict[str, ModelRunner]:
+        runners = {"target": self.runner}
+        if self.drafter is not None:
+            runners["draft"] = self.drafter.runner
+        return runners
+
+    # -- the executor's calls -------------------------------------------------------------------
+    def num_kv_blocks(self) -> int:
+        """The KV blocks this rank can hold (both caches, with a draft model) within its budget."""
+        config, spec = self.spec.config, self.spec
+        cache = config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_block = sum(r.kv_bytes_per_block() for r in self._runners().values())
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif spec.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(spec.device)
+            budget = int(free * (cache.memory_fraction or _GPU_DEFAULT_FRACTION))
+        else:
+            available = psutil.virtual_memory().available
+            if cache.memory_fraction is not None:
+                budget = int(available * cache.memory_fraction)
+            else:
+                budget = min(int(available * _CPU_DEFAULT_FRACTION), _CPU_DEFAULT_KV_CAP)
+        # No point holding more than every sequence at full length could use.
+        useful = -(-spec.max_model_len // cache.block_size) * config.scheduler.max_num_seqs + 1
+        num_blocks = min(budget // per_block, useful)
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes; raise kv_cache_memory")
+        return int(num_blocks)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        for runner in self._runners().values():  # the same block ids: the draft's KV lives where the target's does
+            runner.allocate_kv_cache(num_blocks)
+
+    def prepare_step(self, scheduled: SchedulerOutput) -> None:
+        """Before the step's forward pass: copy-on-write copies, and the draft model's drafts written into
+        the slots the scheduler reserved for them."""
+        for runner in self._runners().values():
+            runner.copy_blocks(scheduled.block_copies)
+        if self.drafter is not None:
+            self.drafter.forget(scheduled.preempted_request_ids)
+            self.drafter.fill(scheduled.chunks)
+
+    def execute_model(self, chunks: list[ScheduledChunk], grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
+        return self.runner.execute(chunks, grammar_bitmask=grammar_bitmask)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        if self.drafter is not None:
+            self.drafter.forget(request_ids)
+
+    def keep_only(self, request_ids: Collection[str]) -> None:
+        if self.drafter is not None:
+            self.drafter.keep_only(request_ids)
+
+    # -- the other ranks ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Run what rank 0 announces, until it says stop (ranks > 0)."""
+        runners = self._runners()
+        hidden: dict[str, torch.Tensor] = {}
+        device = self.spec.device
+        while True:
+            op, *args = self.comm.broadcast_object()
+            if op == "stop":
+                return
+            if op == "num_kv_blocks":
+                self.comm.min_int(self.num_kv_blocks())
+                continue
+            name, *args = args
+            runner = runners[name]
+            if op == "forward":
+                batch = args[0] if device.type == "cpu" else args[0].to(device)
+                hidden[name] = runner.model(batch.input_ids, batch.positions, batch)
+            elif op == "logits":
+                runner.model.compute_logits(hidden[name][args[0].to(device)])
+            elif op == "init_kv":
+                runner.allocate_kv_cache(args[0])
+            elif op == "copy_blocks":
+                runner.copy_blocks(args[0])
+            else:
+                raise RuntimeError(f"unknown operation {op!r} from rank 0")
