@@ -11,12 +11,18 @@ the code it ran before.
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tokenmill.distributed.shm_collectives import SharedMemoryCollectives
+
+# Bytes of one rank's slot in the shared-memory collectives (a larger tensor goes through in pieces).
+SHM_SLOT_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class TPCommunicator:
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup (gloo or NCCL); None with one rank
     store: Any = None  # the TCP store the group met on (rank 0 hosts it: kept alive with the group)
+    shm: SharedMemoryCollectives | None = None  # ranks on one machine's CPU: the collectives go through shared memory
 
     @property
     def is_driver(self) -> bool:
@@ -35,6 +42,8 @@ class TPCommunicator:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the ranks (in place; x must be contiguous)."""
+        if self.shm is not None:
+            return self.shm.all_reduce(x)
         if self.size > 1:
             self.group.allreduce([x]).wait()
         return x
@@ -44,6 +53,9 @@ class TPCommunicator:
         if self.size == 1:
             return x
         x = x.contiguous()
+        if self.shm is not None:
+            gathered = self.shm.gather(x)
+            return torch.cat(gathered, dim=dim) if gathered is not None else None
         pieces = [[torch.empty_like(x) for _ in range(self.size)]] if self.is_driver else []
         options = dist.GatherOptions()
         options.rootRank = 0
@@ -53,6 +65,9 @@ class TPCommunicator:
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's obj on every rank (pickled: its length, then its bytes)."""
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.is_driver else b""
+        if self.shm is not None:
+            received = self.shm.broadcast_bytes(payload if self.is_driver else None)
+            return obj if self.is_driver else pickle.loads(received)
         length = torch.tensor([len(payload)], dtype=torch.int64)
         self._broadcast(length)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.is_driver else torch.empty(int(length), dtype=torch.uint8)
@@ -67,6 +82,8 @@ class TPCommunicator:
 
     def close(self) -> None:
         """End the group's connections now (not at interpreter exit, where a live group aborts the process)."""
+        if self.shm is not None:
+            self.shm.close(unlink=self.is_driver)
         if self.group is not None:
             try:
                 self.group.shutdown()
@@ -84,8 +101,11 @@ class TPCommunicator:
         return int(t.item())
 
 
-def join_tensor_parallel(rank: int, size: int, host: str, port: int, device: torch.device, timeout_s: float) -> TPCommunicator:
-    """Meet the group's other ranks at host:port (rank 0 hosts the store there) and make the group."""
+def join_tensor_parallel(rank: int, size: int, host: str, port: int, device: torch.device, timeout_s: float,
+                         same_machine: bool = False) -> TPCommunicator:
+    """Meet the group's other ranks at host:port (rank 0 hosts the store there) and make the group.
+    same_machine (CPU ranks on one host): the collectives go through shared memory, the group stays for
+    the rest (setup, and the rare min)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore("tokenmill-tp", store)
@@ -94,4 +114,15 @@ def join_tensor_parallel(rank: int, size: int, host: str, port: int, device: tor
         group = dist.ProcessGroupNCCL(prefixed, rank, size, options)
     else:
         group = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-    return TPCommunicator(rank, size, group, store)
+    shm = None
+    if same_machine and device.type == "cpu":
+        if rank == 0:
+            path = f"/dev/shm/tokenmill-tp-{os.getpid()}-{port}"
+            shm = SharedMemoryCollectives(path, rank, size, SHM_SLOT_BYTES, create=True, timeout_s=timeout_s)
+            prefixed.set("shm_path", path)
+        else:
+            path = prefixed.get("shm_path").decode()
+            shm = SharedMemoryCollectives(path, rank, size, SHM_SLOT_BYTES, create=False, timeout_s=timeout_s)
+        prefixed.set(f"pid{rank}", str(os.getpid()))
+        shm.peer_pids = {r: int(prefixed.get(f"pid{r}")) for r in range(size) if r != rank}
+    return TPCommunicator(rank, size, group, store, shm)

@@ -24,12 +24,14 @@ RENDEZVOUS_TIMEOUT_S = 300.0
 
 
 class MultiprocExecutor(TensorParallelExecutor):
+    same_machine = True
+
     def start_followers(self, spec: WorkerSpec, host: str, port: int, cores: list[list[int]] | None) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.processes = []
         for rank in range(1, self.size):
             process = ctx.Process(
-                target=follower_main, args=(rank, self.size, host, port, spec, cores[rank] if cores else None),
+                target=follower_main, args=(rank, self.size, host, port, spec, cores[rank] if cores else None, True),
                 name=f"tokenmill-tp-rank{rank}", daemon=True,
             )
             process.start()
@@ -43,7 +45,7 @@ class MultiprocExecutor(TensorParallelExecutor):
 
         def meet() -> None:
             try:
-                result["comm"] = join_tensor_parallel(0, self.size, host, port, device, COLLECTIVE_TIMEOUT_S)
+                result["comm"] = join_tensor_parallel(0, self.size, host, port, device, COLLECTIVE_TIMEOUT_S, self.same_machine)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 result["error"] = exc
 

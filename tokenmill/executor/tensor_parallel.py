@@ -66,14 +66,15 @@ def pin_process(cores: list[int]) -> None:
     torch.set_num_threads(len(cores))
 
 
-def follower_main(rank: int, size: int, host: str, port: int, spec: WorkerSpec, cores: list[int] | None) -> None:
+def follower_main(rank: int, size: int, host: str, port: int, spec: WorkerSpec, cores: list[int] | None,
+                  same_machine: bool = False) -> None:
     """A rank > 0: join the group, build this rank's shards, run what rank 0 announces. Any failure ends
     the process, which rank 0 notices at once (the group's connections close)."""
     try:
         if cores is not None and spec.device.type == "cpu":
             pin_process(cores)
         spec = rank_spec(spec, rank)
-        comm = join_tensor_parallel(rank, size, host, port, spec.device, COLLECTIVE_TIMEOUT_S)
+        comm = join_tensor_parallel(rank, size, host, port, spec.device, COLLECTIVE_TIMEOUT_S, same_machine)
         Worker(spec, comm).follow()
         comm.close()
     except BaseException:  # noqa: BLE001 - anything: log it where the operator sees it, then go
@@ -113,7 +114,10 @@ class TensorParallelExecutor(Executor):
 
     def join(self, host: str, port: int, device: torch.device) -> TPCommunicator:
         """Rank 0's side of the rendezvous (the subclass watches its followers while it waits)."""
-        return join_tensor_parallel(0, self.size, host, port, device, COLLECTIVE_TIMEOUT_S)
+        return join_tensor_parallel(0, self.size, host, port, device, COLLECTIVE_TIMEOUT_S, self.same_machine)
+
+    # Whether every rank runs on this machine (then CPU collectives go through shared memory).
+    same_machine = False
 
     def follower_failure(self) -> str | None:
         """Why a follower is gone, if one is (None while all run)."""
