@@ -104,6 +104,9 @@ def test_a_per_layer_method_with_its_own_layout_loads_fused_shards_and_computes_
 
 
 def test_the_default_config_prepacks_only_where_it_pays():
-    assert not UnquantizedConfig(CPU, torch.float32).prepack
+    # float32 on any CPU oneDNN runs on; the input embedding never (it only gathers rows).
+    onednn = torch.backends.mkldnn.is_available()
+    assert UnquantizedConfig(CPU, torch.float32).prepack == onednn
     head = UnquantizedConfig(CPU, torch.float32).embedding_method("lm_head")
-    assert isinstance(head, UnquantizedEmbeddingMethod) and not head.prepack
+    assert isinstance(head, UnquantizedEmbeddingMethod) and head.prepack == onednn
+    assert not UnquantizedConfig(CPU, torch.float32).embedding_method("model.embed_tokens").prepack

@@ -370,7 +370,7 @@ def test_gguf_f32_round_trip_matches_hf(name, tmp_path, tiny_model_factory, hf_m
     assert tm_generate(llm, prompts) == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
 
 
-def test_gguf_q8_0_round_trip(tmp_path, tiny_model_factory):
+def test_gguf_q8_0_round_trip(tmp_path, tiny_model_factory, monkeypatch):
     """Q8_0: every loaded weight is exactly gguf's dequantization of the written blocks (un-permuted),
     within Q8_0's error of the original, and greedy decoding equals HF run on those same weights."""
     from transformers import AutoModelForCausalLM
@@ -385,6 +385,9 @@ def test_gguf_q8_0_round_trip(tmp_path, tiny_model_factory):
         t = written[name]
         return dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
 
+    import tokenmill.layers.quantization.unquantized as unquantized
+
+    monkeypatch.setattr(unquantized, "cpu_packed_weights_supported", lambda device, dtype: False)  # the weights as loaded
     llm = LLM(model=str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=128, block_size=4, max_num_batched_tokens=16)
     model = llm.llm_engine.executor.driver_runner.model
     config = model.config

@@ -164,8 +164,10 @@ class FakeQuantActivations:
         return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
-def _fake_quantized_reference(src: str, dst) -> LLM:
+def _fake_quantized_reference(src: str, dst, monkeypatch) -> LLM:
     from transformers import AutoModelForCausalLM
+
+    import tokenmill.layers.quantization.unquantized as unquantized
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     assert not model.config.tie_word_embeddings
@@ -174,7 +176,9 @@ def _fake_quantized_reference(src: str, dst) -> LLM:
             if isinstance(module, torch.nn.Linear) and name != "lm_head":  # w8a8 leaves the LM head alone
                 module.weight.copy_(Q.dequantize_int8(*Q.quantize_int8(module.weight)))
     model.save_pretrained(dst, safe_serialization=True)
-    llm = LLM(str(dst), dtype="float32", num_kv_blocks=64)
+    with monkeypatch.context() as patch:  # float weights as they are (not prepacked): the fake method reads them
+        patch.setattr(unquantized, "cpu_packed_weights_supported", lambda device, dtype: False)
+        llm = LLM(str(dst), dtype="float32", num_kv_blocks=64)
     for module in llm.llm_engine.executor.driver_runner.model.modules():
         if isinstance(module, Linear):
             module.method = FakeQuantActivations()
@@ -183,9 +187,9 @@ def _fake_quantized_reference(src: str, dst) -> LLM:
 
 @needs_kernels
 @pytest.mark.parametrize("model_name", ["llama_bias", "qwen3"])
-def test_w8a8_engine_computes_the_fake_quantized_model(tiny_model_factory, tmp_path, model_name):
+def test_w8a8_engine_computes_the_fake_quantized_model(tiny_model_factory, tmp_path, model_name, monkeypatch):
     src = tiny_model_factory(model_name)
-    reference = _fake_quantized_reference(src, tmp_path / "fake")
+    reference = _fake_quantized_reference(src, tmp_path / "fake", monkeypatch)
     quantized = LLM(src, dtype="float32", num_kv_blocks=64, quantization="w8a8")
     assert_engine_computes(quantized, reference)
 
@@ -210,7 +214,8 @@ def test_w8a8_settings():
     with pytest.raises(ValueError, match=r"unknown quantization option\(s\) 'group_size' for 'w8a8'; allowed: none"):
         check_quantization("w8a8", {"group_size": 32})
     config = get_quantization_config("w8a8", None, torch.device("cpu"), torch.float32)
-    assert isinstance(config, W8A8Config) and config.name == "w8a8" and not config.prepack_lm_head
+    assert isinstance(config, W8A8Config) and config.name == "w8a8"
+    assert config.prepack_lm_head == torch.backends.mkldnn.is_available()  # float32 heads are prepacked wherever oneDNN runs
     with pytest.raises(ValueError, match="runs on CPU only"):
         get_quantization_config("w8a8", None, torch.device("cuda"), torch.float16)
 

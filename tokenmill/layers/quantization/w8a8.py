@@ -17,7 +17,7 @@ switching.
 
 The LM head stays in the model dtype (as vLLM leaves it for W8A8 checkpoints): quantizing the
 logits' input per token costs the most accuracy of any layer, and the unquantized head is already
-a prepacked oneDNN GEMM on CPUs with native bf16. The input embedding only gathers rows.
+a prepacked oneDNN GEMM on CPUs (float32, or bf16 with native bf16). The input embedding only gathers rows.
 
 Not done: the activation quantize fused into the RMSNorm before the layer (the quantize is one
 pass over x inside the GEMM op, small next to the multiply), and SmoothQuant scales from a
@@ -93,7 +93,7 @@ class W8A8LinearMethod(LinearMethodBase):
 class W8A8Config(QuantizationConfig):
     """`w8a8` for every linear layer; the LM head and the embedding stay in the model dtype."""
 
-    prepack_lm_head: bool = False  # the head's float weight prepacked for oneDNN (CPUs with native bf16)
+    prepack_lm_head: bool = False  # the head's float weight prepacked for oneDNN (float32, or bf16 with native bf16)
 
     def __post_init__(self) -> None:
         self.name = "w8a8"
