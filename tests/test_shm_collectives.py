@@ -35,7 +35,7 @@ def rank_main(path: str, rank: int, pids, results) -> None:
     shm.gather(tensor_of(rank, torch.float32, (5, 700)))
     out["broadcast"] = shm.broadcast_bytes(None)
     results.put(out)
-    shm.close(unlink=False)
+    shm.close()
 
 
 def tensor_of(rank: int, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -63,7 +63,8 @@ def test_all_reduce_gather_and_broadcast_between_two_processes(tmp_path):
         theirs = results.get(timeout=60)
     finally:
         peer.join(30)
-        shm.close(unlink=True)
+        shm.unlink()
+        shm.close()
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(torch.from_numpy(theirs[str(dtype)]), mine[str(dtype)].float())  # bit-identical on both ranks
     assert theirs["broadcast"] == payload
@@ -88,4 +89,5 @@ def test_a_peer_that_dies_is_an_error_within_a_second_or_two(tmp_path):
         shm.all_reduce(torch.ones(4))
     assert time.monotonic() - start < 5
     peer.join(5)
-    shm.close(unlink=True)
+    shm.unlink()
+    shm.close()

@@ -6,6 +6,7 @@ the engine with a clear error, never a hang."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import signal
@@ -172,6 +173,8 @@ def test_a_rank_that_dies_fails_the_engine_not_a_hang(tiny_model_factory):
     cores_before = os.sched_getaffinity(0)
     llm = LLM(folder, tensor_parallel_size=2, dtype="float32", device="cpu", skip_tokenizer_init=True, kv_cache_memory=8 << 20)
     [follower] = llm.llm_engine.executor.processes
+    # The collectives' shared file is unlinked once both ranks have mapped it: a killed rank leaves nothing.
+    assert not glob.glob(f"/dev/shm/tokenmill-tp-{os.getpid()}-*")
     os.kill(follower.pid, signal.SIGKILL)
     follower.join(10)
     start = time.monotonic()

@@ -83,7 +83,7 @@ class TPCommunicator:
     def close(self) -> None:
         """End the group's connections now (not at interpreter exit, where a live group aborts the process)."""
         if self.shm is not None:
-            self.shm.close(unlink=self.is_driver)
+            self.shm.close()
         if self.group is not None:
             try:
                 self.group.shutdown()
@@ -123,6 +123,12 @@ def join_tensor_parallel(rank: int, size: int, host: str, port: int, device: tor
         else:
             path = prefixed.get("shm_path").decode()
             shm = SharedMemoryCollectives(path, rank, size, SHM_SLOT_BYTES, create=False, timeout_s=timeout_s)
-        prefixed.set(f"pid{rank}", str(os.getpid()))
-        shm.peer_pids = {r: int(prefixed.get(f"pid{r}")) for r in range(size) if r != rank}
+        prefixed.set(f"pid{rank}", str(os.getpid()))  # after the file is open: rank 0 reads it as "attached"
+        try:
+            shm.peer_pids = {r: int(prefixed.get(f"pid{r}")) for r in range(size) if r != rank}
+        finally:
+            if rank == 0:
+                # Every rank has mapped the file (or never will): its name can go now, the mappings stay.
+                # Nothing is left in /dev/shm however the ranks end, killed or dropped without close().
+                shm.unlink()
     return TPCommunicator(rank, size, group, store, shm)

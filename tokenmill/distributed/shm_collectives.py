@@ -64,18 +64,20 @@ class SharedMemoryCollectives:
         self.seq = 0
         self.peer_pids: dict[int, int] = {}
 
-    def close(self, unlink: bool) -> None:
+    def unlink(self) -> None:
+        """Remove the file's name (the mappings stay valid): once every rank has mapped it."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
         self._flags = None
         self._data = None
         try:
             self._map.close()
         except BufferError:  # a tensor view still alive somewhere: the OS unmaps at exit
             pass
-        if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
     # -- the protocol ---------------------------------------------------------------------------
     def _slot(self, rank: int, seq: int, nbytes: int) -> torch.Tensor:

@@ -14,12 +14,14 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from tokenmill.errors import EngineDeadError
 from tokenmill.loader import ModelSource
 from tokenmill.worker.worker import Worker, WorkerSpec
 
 
-class ExecutorDiedError(RuntimeError):
-    """A rank of the model is gone (its process died, or a collective failed): the engine cannot go on."""
+class ExecutorDiedError(EngineDeadError, RuntimeError):
+    """A rank of the model is gone (its process died, or a collective failed): the engine cannot go on
+    (an EngineDeadError: the server answers 503, the command line prints one line)."""
 
 
 class Executor:

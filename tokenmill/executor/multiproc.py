@@ -8,19 +8,11 @@ both sockets and --tensor-parallel-size 2, so each rank's share is one socket's 
 from __future__ import annotations
 
 import multiprocessing
-import threading
 import weakref
 from multiprocessing.connection import wait
 
-import torch
-
-from tokenmill.distributed.communicator import TPCommunicator, join_tensor_parallel
-from tokenmill.executor.base import ExecutorDiedError
-from tokenmill.executor.tensor_parallel import COLLECTIVE_TIMEOUT_S, TensorParallelExecutor, follower_main
+from tokenmill.executor.tensor_parallel import TensorParallelExecutor, follower_main
 from tokenmill.worker.worker import WorkerSpec
-
-# Seconds the ranks have to meet (spawn and import: a few seconds; a rank that dies first is noticed at once).
-RENDEZVOUS_TIMEOUT_S = 300.0
 
 
 class MultiprocExecutor(TensorParallelExecutor):
@@ -39,30 +31,8 @@ class MultiprocExecutor(TensorParallelExecutor):
         # An engine dropped without shutdown() must not leave its ranks waiting forever.
         weakref.finalize(self, _kill, list(self.processes))
 
-    def join(self, host: str, port: int, device: torch.device) -> TPCommunicator:
-        """Meet the followers; if one dies before it joins, fail now rather than wait out the timeout."""
-        result: dict[str, object] = {}
-
-        def meet() -> None:
-            try:
-                result["comm"] = join_tensor_parallel(0, self.size, host, port, device, COLLECTIVE_TIMEOUT_S, self.same_machine)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                result["error"] = exc
-
-        thread = threading.Thread(target=meet, name="tokenmill-tp-rendezvous", daemon=True)
-        thread.start()
-        waited = 0.0
-        while thread.is_alive() and waited < RENDEZVOUS_TIMEOUT_S:
-            wait([p.sentinel for p in self.processes], timeout=0.2)
-            waited += 0.2
-            failure = self.follower_failure()
-            if failure is not None:
-                raise ExecutorDiedError(f"tensor parallelism could not start: {failure}")
-        if thread.is_alive():
-            raise ExecutorDiedError(f"tensor parallelism could not start: the ranks did not meet within {RENDEZVOUS_TIMEOUT_S:.0f} s")
-        if "error" in result:
-            raise ExecutorDiedError(f"tensor parallelism could not start: {result['error']}")
-        return result["comm"]
+    def wait_for_followers(self, timeout_s: float) -> None:
+        wait([p.sentinel for p in self.processes], timeout=timeout_s)
 
     def follower_failure(self) -> str | None:
         for rank, process in enumerate(getattr(self, "processes", []), start=1):

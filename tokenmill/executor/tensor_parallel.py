@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from typing import TypeVar
@@ -21,6 +23,7 @@ import torch
 from tokenmill.distributed.communicator import TPCommunicator, join_tensor_parallel
 from tokenmill.engine.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.executor.base import Executor, ExecutorDiedError
+from tokenmill.errors import TokenmillError
 from tokenmill.loader import ModelSource
 from tokenmill.worker.worker import Worker, WorkerSpec
 
@@ -31,6 +34,9 @@ T = TypeVar("T")
 # Seconds a collective may wait for a rank before the group gives up (a first start that builds the
 # CPU kernels can hold one rank for minutes; a dead rank is noticed at once, by its closed connection).
 COLLECTIVE_TIMEOUT_S = 1800.0
+
+# Seconds the ranks have to meet (start and import: a few seconds; a rank that fails first is noticed at once).
+RENDEZVOUS_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
@@ -66,18 +72,29 @@ def pin_process(cores: list[int]) -> None:
     torch.set_num_threads(len(cores))
 
 
+def run_follower(rank: int, size: int, host: str, port: int, spec: WorkerSpec, same_machine: bool = False) -> None:
+    """A rank > 0 (spec: already this rank's): join the group, build this rank's shards, run what rank 0
+    announces until it says stop. Raises whatever failed; the group's connections are closed either way,
+    so rank 0 notices at once."""
+    comm = join_tensor_parallel(rank, size, host, port, spec.device, COLLECTIVE_TIMEOUT_S, same_machine)
+    try:
+        Worker(spec, comm).follow()
+    finally:
+        comm.close()
+
+
 def follower_main(rank: int, size: int, host: str, port: int, spec: WorkerSpec, cores: list[int] | None,
                   same_machine: bool = False) -> None:
-    """A rank > 0: join the group, build this rank's shards, run what rank 0 announces. Any failure ends
-    the process, which rank 0 notices at once (the group's connections close)."""
+    """A spawned rank > 0 (the "mp" backend). Any failure ends the process, which rank 0 notices at once
+    (the group's connections close)."""
     try:
         if cores is not None and spec.device.type == "cpu":
             pin_process(cores)
-        spec = rank_spec(spec, rank)
-        comm = join_tensor_parallel(rank, size, host, port, spec.device, COLLECTIVE_TIMEOUT_S, same_machine)
-        Worker(spec, comm).follow()
-        comm.close()
-    except BaseException:  # noqa: BLE001 - anything: log it where the operator sees it, then go
+        run_follower(rank, size, host, port, rank_spec(spec, rank), same_machine)
+    except TokenmillError as exc:  # a clear error (a model that cannot be split, a missing file): its line is enough
+        logger.error("tensor-parallel rank %d failed: %s", rank, exc)
+        os._exit(1)
+    except BaseException:  # noqa: BLE001 - anything else: log it where the operator sees it, then go
         logger.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)
 
@@ -86,7 +103,7 @@ class TensorParallelExecutor(Executor):
     def __init__(self, spec: WorkerSpec, source: ModelSource) -> None:
         self.size = spec.config.parallel.tensor_parallel_size
         self.comm: TPCommunicator | None = None
-        host, port = self.rendezvous_address(), free_port()
+        host, port = self.rendezvous_address(), self.rendezvous_port()
         cores = None
         if spec.device.type == "cpu":
             cores = [cpu_share(r, self.size) for r in range(self.size)]
@@ -94,12 +111,15 @@ class TensorParallelExecutor(Executor):
         # This process's cores and threads before rank 0 took its share (given back at shutdown).
         self._saved_cpu = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
         try:
-            if cores is not None:
+            if cores is not None and self.same_machine:  # ranks on other machines leave this one's cores to rank 0
                 pin_process(cores[0])
             self.comm = self.join(host, port, spec.device)
             super().__init__(spec, source)
         except BaseException:
             self.stop_followers()
+            if self.comm is not None:  # joined, then the model failed to build: free the group and its /dev/shm file
+                self.comm.close()
+                self.comm = None
             cores_before, threads = self._saved_cpu
             pin_process(cores_before)
             torch.set_num_threads(threads)
@@ -112,9 +132,37 @@ class TensorParallelExecutor(Executor):
     def start_followers(self, spec: WorkerSpec, host: str, port: int, cores: list[list[int]] | None) -> None:
         raise NotImplementedError
 
+    def rendezvous_port(self) -> int:
+        return free_port()
+
+    def wait_for_followers(self, timeout_s: float) -> None:
+        """Block up to timeout_s, or until a follower's state changes (it may have ended)."""
+        raise NotImplementedError
+
     def join(self, host: str, port: int, device: torch.device) -> TPCommunicator:
-        """Rank 0's side of the rendezvous (the subclass watches its followers while it waits)."""
-        return join_tensor_parallel(0, self.size, host, port, device, COLLECTIVE_TIMEOUT_S, self.same_machine)
+        """Rank 0's side of the rendezvous, watching the followers while it waits: if one fails before it
+        joins, fail now with its error rather than wait out the timeout."""
+        result: dict[str, object] = {}
+
+        def meet() -> None:
+            try:
+                result["comm"] = join_tensor_parallel(0, self.size, host, port, device, COLLECTIVE_TIMEOUT_S, self.same_machine)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=meet, name="tokenmill-tp-rendezvous", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+        while thread.is_alive() and time.monotonic() < deadline:
+            self.wait_for_followers(0.2)
+            failure = self.follower_failure()
+            if failure is not None:
+                raise ExecutorDiedError(f"tensor parallelism could not start: {failure}")
+        if thread.is_alive():
+            raise ExecutorDiedError(f"tensor parallelism could not start: the ranks did not meet within {RENDEZVOUS_TIMEOUT_S:.0f} s")
+        if "error" in result:
+            raise ExecutorDiedError(f"tensor parallelism could not start: {result['error']}")
+        return result["comm"]
 
     # Whether every rank runs on this machine (then CPU collectives go through shared memory).
     same_machine = False
