@@ -41,6 +41,8 @@ def test_chat_reads_stdin_and_answers():
     [
         (["generate", "hi", "--top-p", "2"], "top_p must be in (0, 1]"),
         (["generate", "hi", "--model", "/no/such/model"], "no such model"),
+        (["generate", "hi", "--data-parallel-size", "2"], "--data-parallel-size is for `tokenmill serve`"),
+        (["generate", "hi", "--tensor-parallel-size", "4"], "must be at most, or a multiple of, the number of KV heads"),
     ],
 )
 def test_bad_input_is_a_one_line_error(args, message):

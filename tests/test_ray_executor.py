@@ -91,6 +91,14 @@ def test_without_ray_the_backend_says_how_to_get_it(tiny_model_factory, monkeypa
     assert isinstance(info.value, ImportError) and isinstance(info.value, TokenmillError)  # the CLI prints it as one line
 
 
+def test_one_rank_with_the_ray_backend_runs_in_process(tiny_model_factory):
+    """tensor_parallel_size 1 has no ranks to place: the engine runs as with "uni", touching no Ray."""
+    llm = LLM(tiny_model_factory("llama_gqa"), distributed_executor_backend="ray", dtype="float32", device="cpu",
+              skip_tokenizer_init=True, kv_cache_memory=8 << 20)
+    assert type(llm.llm_engine.executor).__name__ == "Executor"
+    assert llm.generate(token_prompts(1, seed=1), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_placement_settings_are_read_and_checked():
     assert RayPlacement.from_env({}) == RayPlacement("PACK", {}, None)
     env = {"TOKENMILL_RAY_PLACEMENT_STRATEGY": "strict_spread", "TOKENMILL_RAY_BUNDLE_RESOURCES": '{"gpu_box": 1}',

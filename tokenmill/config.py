@@ -88,6 +88,10 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     memory_fraction: float | None = None  # default: 0.9 on GPU (minus weights), 0.25 on CPU
     num_kv_blocks: int | None = None  # exact block count, for tests and experiments
+    # The part of the memory-derived budget (memory_fraction, or the CPU default) this engine takes: 1/N for
+    # each of N data-parallel replicas sharing one machine's RAM, set by their pool (kv_cache_memory and
+    # num_kv_blocks are per engine as given).
+    memory_share: float = 1.0
     kv_cache_dtype: str = "auto"  # "auto" = model dtype; quantized KV comes later
     # Automatic prefix caching: full blocks are hashed and reused by later requests with the same prefix.
     enable_prefix_caching: bool = True
@@ -99,6 +103,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if not 0.0 < self.memory_share <= 1.0:
+            raise ValueError(f"memory_share must be in (0, 1], got {self.memory_share}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be at least 2 (block 0 is reserved), got {self.num_kv_blocks}")
         if self.kv_cache_dtype != "auto":

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.dp.engine import DataParallelEngine
 from tokenmill.engine.engine import LLMEngine, PromptInput
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -20,17 +21,21 @@ class LLM:
     Keyword arguments are the engine's settings: dtype, max_model_len, block_size,
     kv_cache_memory, memory_fraction, num_kv_blocks, max_num_batched_tokens, max_num_seqs,
     enable_chunked_prefill, device, seed, tokenizer, skip_tokenizer_init, quantization,
-    quantization_options.
+    quantization_options, tensor_parallel_size, data_parallel_size.
+
+    data_parallel_size=N runs N engine replicas, each a process with its share of the cores; a batch
+    is split over them by estimated work, and the outputs come back in prompt order. (Replicas are
+    spawned processes: a script that makes one needs the `if __name__ == "__main__":` guard.)
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self.llm_engine = _make_engine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
         """An LLM on an engine built from a whole EngineConfig (the command line's spelling)."""
         llm = cls.__new__(cls)
-        llm.llm_engine = LLMEngine(config)
+        llm.llm_engine = _make_engine(config)
         return llm
 
     def get_tokenizer(self):
@@ -85,8 +90,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam_search needs BeamSearchParams, got {type(params).__name__}")
         inputs = _normalize_prompts(prompts, None)
-        engine = self.llm_engine
-        outputs = self._run(inputs, [params] * len(inputs), use_tqdm, engine.add_beam_search_request)
+        outputs = self._run(inputs, [params] * len(inputs), use_tqdm, beam_search=True)
         tokenizer = self.get_tokenizer()
         results = []
         for out in outputs:
@@ -105,9 +109,11 @@ class LLM:
             results.append(BeamSearchOutput(sequences=sequences))
         return results
 
-    def _run(self, prompts: list[PromptInput], params: list, use_tqdm: bool, add_request=None) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptInput], params: list, use_tqdm: bool, beam_search: bool = False) -> list[RequestOutput]:
         engine = self.llm_engine
-        add_request = add_request or engine.add_request
+        if isinstance(engine, DataParallelEngine):
+            return engine.run(prompts, params, use_tqdm, beam_search=beam_search)
+        add_request = engine.add_beam_search_request if beam_search else engine.add_request
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
@@ -135,6 +141,13 @@ class LLM:
                 engine.abort_request(request_id)
             raise
         return [finished[i] for i in ids]
+
+
+def _make_engine(config: EngineConfig) -> LLMEngine | DataParallelEngine:
+    """One engine, or N replicas behind a data-parallel front end."""
+    if config.parallel.data_parallel_size > 1:
+        return DataParallelEngine(config)
+    return LLMEngine(config)
 
 
 def _normalize_prompts(prompts, prompt_token_ids) -> list[PromptInput]:

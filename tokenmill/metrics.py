@@ -46,11 +46,15 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 
 class _EngineStatsCollector:
-    """Gauges and totals read from engine.stats() when /metrics is scraped."""
+    """Gauges and totals read from engine.stats() when /metrics is scraped; with data parallelism also
+    each replica's, from replica_stats() (and whether it is up, from replica_alive())."""
 
-    def __init__(self, stats: Callable[[], object], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], object], model_name: str, replica_stats: Callable[[], list] | None = None,
+                 replica_alive: Callable[[], list[bool]] | None = None) -> None:
         self._stats = stats
         self._model_name = model_name
+        self._replica_stats = replica_stats
+        self._replica_alive = replica_alive
 
     def describe(self):
         return []  # collected lazily; nothing to check at registration
@@ -92,12 +96,51 @@ class _EngineStatsCollector:
             for position, count in enumerate(spec.accepted_per_pos):
                 per_pos.add_metric([self._model_name, str(position)], count)
             yield per_pos
+        if self._replica_stats is not None:
+            yield from self._collect_replicas()
+
+    def _collect_replicas(self):
+        """Each data-parallel replica's series, under names of their own (tokenmill:replica_*, label
+        `replica`): the engine-wide series above already sum them, and sharing their names would make a
+        PromQL sum() over the name count everything twice."""
+        try:
+            per_replica = self._replica_stats()
+            alive = self._replica_alive() if self._replica_alive is not None else [True] * len(per_replica)
+        except Exception:
+            logger.debug("replica stats unavailable", exc_info=True)
+            return
+        labels = ["model_name", "replica"]
+        families = [
+            (GaugeMetricFamily, "tokenmill:replica_up", "1 while the replica's process runs, 0 once it is gone.",
+             lambda i, s: float(alive[i])),
+            (GaugeMetricFamily, "tokenmill:replica_num_requests_running", "Requests in the replica's batches.",
+             lambda i, s: s.num_running),
+            (GaugeMetricFamily, "tokenmill:replica_num_requests_waiting", "Requests waiting in the replica.",
+             lambda i, s: s.num_waiting),
+            (GaugeMetricFamily, "tokenmill:replica_kv_cache_usage_perc", "The replica's KV-cache usage. 1 means 100 percent usage.",
+             lambda i, s: s.kv_cache_usage),
+            (GaugeMetricFamily, "tokenmill:replica_num_free_kv_blocks", "The replica's free KV-cache blocks.",
+             lambda i, s: s.num_free_blocks),
+            (CounterMetricFamily, "tokenmill:replica_num_preemptions", "Cumulative preemptions in the replica.",
+             lambda i, s: s.num_preemptions),
+            (CounterMetricFamily, "tokenmill:replica_prefix_cache_queries", "The replica's prefix cache queries, in tokens.",
+             lambda i, s: s.prefix_cache_queries),
+            (CounterMetricFamily, "tokenmill:replica_prefix_cache_hits", "The replica's prefix cache hits, in tokens.",
+             lambda i, s: s.prefix_cache_hits),
+        ]
+        for family_class, name, doc, value in families:
+            family = family_class(name, doc, labels=labels)
+            for index, s in enumerate(per_replica):
+                family.add_metric([self._model_name, str(index)], value(index, s))
+            yield family
 
 
 class ServerMetrics:
-    """The server's metrics. `stats`: a callable returning the engine's EngineStats (read at scrape time)."""
+    """The server's metrics. `stats`: a callable returning the engine's EngineStats (read at scrape time);
+    with data parallelism `replica_stats` and `replica_alive` give each replica's stats and liveness."""
 
-    def __init__(self, model_name: str, max_model_len: int, stats: Callable[[], object] | None = None) -> None:
+    def __init__(self, model_name: str, max_model_len: int, stats: Callable[[], object] | None = None,
+                 replica_stats: Callable[[], list] | None = None, replica_alive: Callable[[], list[bool]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         r = self.registry
@@ -137,7 +180,7 @@ class ServerMetrics:
         self.decode = histogram("vllm:request_decode_time_seconds",
                                 "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
         if stats is not None:
-            self.registry.register(_EngineStatsCollector(stats, model_name))
+            self.registry.register(_EngineStatsCollector(stats, model_name, replica_stats, replica_alive))
 
     def track(self) -> "RequestTracker":
         return RequestTracker(self)

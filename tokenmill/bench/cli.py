@@ -235,10 +235,13 @@ def _check_baseline(args: argparse.Namespace) -> None:
 
 
 def _load_engine(args: argparse.Namespace):
+    """An LLMEngine, or with --data-parallel-size N the replicas' front end (the same step interface)."""
+    from tokenmill.engine.dp.engine import DataParallelEngine
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.entrypoints.cli import engine_config_from_args
 
-    return LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    return DataParallelEngine(config) if config.parallel.data_parallel_size > 1 else LLMEngine(config)
 
 
 def _engine_info(engine) -> dict:

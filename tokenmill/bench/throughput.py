@@ -20,8 +20,9 @@ from tokenmill.sampling_params import SamplingParams
 
 
 def warm_up(engine, prompt: list[int], max_tokens: int = 4) -> None:
-    """One short request before the clock starts: the first forward passes pay one-time costs."""
-    engine.add_request({"prompt_token_ids": list(prompt)}, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    """One short request per replica before the clock starts: the first forward passes pay one-time costs."""
+    for _ in range(getattr(engine, "num_replicas", 1)):  # data parallel: the router gives each replica one
+        engine.add_request({"prompt_token_ids": list(prompt)}, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -183,8 +183,13 @@ class LLMEngine:
         if request_id in self._groups or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
 
-    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """arrival_time: when the request arrived (time.monotonic()), if before this call: a data-parallel
+        front end's, so that queue time and time to first token include the hop to the replica."""
         request = self.make_request(prompt, params, request_id)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         self.submit(request)
         self.output_processor.add_request(
             request.request_id, request.prompt, request.prompt_token_ids, request.sampling_params, request.arrival_time

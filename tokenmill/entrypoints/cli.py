@@ -109,7 +109,12 @@ def engine_config_from_args(args: argparse.Namespace):
 def _engine(args: argparse.Namespace):
     from tokenmill.engine.engine import LLMEngine
 
-    return LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if config.parallel.data_parallel_size > 1:
+        # One prompt, or one conversation, runs on one engine: replicas would only add start-up time.
+        raise TokenmillError(f"`tokenmill {args.command}` runs one engine: --data-parallel-size is for "
+                             "`tokenmill serve`, `tokenmill bench` and LLM(data_parallel_size=N)")
+    return LLMEngine(config)
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -70,8 +70,8 @@ class Executor:
 def make_executor(config: EngineConfig, source: ModelSource, device: torch.device, dtype: torch.dtype, max_model_len: int) -> Executor:
     spec = WorkerSpec(config, device, dtype, max_model_len)
     backend = config.parallel.executor_backend
-    if backend == "uni":
-        return Executor(spec, source)
+    if backend == "uni" or config.parallel.tensor_parallel_size == 1:
+        return Executor(spec, source)  # one rank: nothing to spawn or place, whatever backend is named
     if backend == "mp":
         from tokenmill.executor.multiproc import MultiprocExecutor
 

@@ -104,6 +104,7 @@ class Worker:
                 budget = int(available * cache.memory_fraction)
             else:
                 budget = min(int(available * _CPU_DEFAULT_FRACTION), _CPU_DEFAULT_KV_CAP)
+            budget = int(budget * cache.memory_share)  # data-parallel replicas split one machine's budget
         # No point holding more than every sequence at full length could use.
         useful = -(-spec.max_model_len // cache.block_size) * config.scheduler.max_num_seqs + 1
         num_blocks = min(budget // per_block, useful)

@@ -125,11 +125,12 @@ async def _respond(handler: Awaitable[Response], request_id: str | None) -> Resp
 
 
 def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_engine: bool = True) -> FastAPI:
-    """The app over `engine` (an AsyncLLMEngine). With manage_engine, the app's lifespan starts and shuts it down."""
+    """The app over `engine` (an AsyncLLMEngine, or an AsyncDataParallelEngine). With manage_engine, the app's lifespan starts and shuts it down."""
     settings = settings or ServerSettings()
     names = settings.served_model_names or [engine.model_name]
     models = ServedModels(names, engine.max_model_len, root=engine.model_name)
-    metrics = ServerMetrics(names[0], engine.max_model_len, stats=engine.stats)
+    metrics = ServerMetrics(names[0], engine.max_model_len, stats=engine.stats,
+                            replica_stats=getattr(engine, "replica_stats", None), replica_alive=getattr(engine, "replica_alive", None))
     limits = settings.serving_limits()
     common = dict(metrics=metrics, request_timeout=settings.request_timeout, limits=limits)
     completions = OpenAIServingCompletion(engine, models, **common)
@@ -281,13 +282,17 @@ def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
     from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.engine.dp.async_engine import AsyncDataParallelEngine
     from tokenmill.entrypoints.cli import engine_config_from_args
 
     logging.getLogger("tokenmill").setLevel(args.log_level.upper())
     parsing = dict(tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                    reasoning_parser=args.reasoning_parser)
     OutputParsing(**parsing)  # a bad flag fails before the model loads
-    engine = AsyncLLMEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
+    config = engine_config_from_args(args)
+    # Several replicas: a front end that routes to replica processes (its collector loop takes the main thread).
+    engine_class = AsyncDataParallelEngine if config.parallel.data_parallel_size > 1 else AsyncLLMEngine
+    engine = engine_class(config, max_waiting_requests=args.max_waiting_requests)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [default_served_name(args, engine)],
         api_keys=list(args.api_key or []),
