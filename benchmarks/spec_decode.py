@@ -2,7 +2,7 @@
 against decoding without speculation in the same run (the README's speculative decoding table).
 
     python benchmarks/spec_decode.py [--model PATH] [--dtype auto] [--rounds 3] [--dataset edit] [--num-prompts 4]
-                                     [--configs "none,ngram k4,self int4 k3"] [--json out.json]
+                                     [--configs "none,ngram k4,self int4 k3"] [--medusa HEADS] [--json out.json]
 
 Each configuration runs `tokenmill bench throughput --num-prompts 1` once per prompt (one request at a
 time: the single-request latency speculation is for) in a process of its own, greedy, stopping at EOS;
@@ -30,6 +30,10 @@ CONFIGS = {
     "self int4 k2": {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 2},
     "self int4 k3": {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 3},
     "self int8 k3": {"method": "draft_model", "model": "self", "quantization": "int8", "num_speculative_tokens": 3},
+    # Medusa heads from --medusa (e.g. `tokenmill train-medusa --output heads/`).
+    "medusa k1": {"method": "medusa", "num_speculative_tokens": 1},
+    "medusa k2": {"method": "medusa", "num_speculative_tokens": 2},
+    "medusa k3": {"method": "medusa", "num_speculative_tokens": 3},
 }
 
 
@@ -42,6 +46,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=4, help="requests per round, run one at a time")
     parser.add_argument("--input-len", type=int, default=160)
     parser.add_argument("--configs", default="none,ngram k4,self int8 k3,self int4 k3")
+    parser.add_argument("--medusa", default=None, help="the Medusa heads' folder, for the medusa configs")
+    parser.add_argument("--output-len", type=int, default=None, help="tokens per request (default: the dataset's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     names = [n.strip() for n in args.configs.split(",")]
@@ -50,13 +56,19 @@ def main() -> None:
         parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     if "none" not in names:
         names.insert(0, "none")
+    if any(name.startswith("medusa") for name in names) and not args.medusa:
+        parser.error("the medusa configs need --medusa HEADS_FOLDER")
     common = ["throughput", "--dataset", args.dataset, "--num-prompts", "1", "--input-len", str(args.input_len),
               "--no-ignore-eos", "--dtype", args.dtype, "--disable-tqdm"] + (["--model", args.model] if args.model else [])
+    if args.output_len is not None:
+        common += ["--output-len", str(args.output_len)]
     rows = {name: {"tpot_ms": [], "drafts": 0, "draft_tokens": 0, "accepted": 0, "outputs": []} for name in names}
     for _ in range(args.rounds):
         for seed in range(args.num_prompts):
             for name in names:
                 spec = CONFIGS[name]
+                if spec is not None and spec["method"] == "medusa":
+                    spec = {**spec, "model": args.medusa}
                 extra = ["--seed", str(seed)] + (["--speculative-config", json.dumps(spec)] if spec else [])
                 result = _bench([*common, *extra])["tokenmill"]
                 row = rows[name]

@@ -169,9 +169,9 @@ class StructuredOutputsConfig:
             raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa")
 # vLLM's names for proposers tokenmill does not run yet: refused by name rather than as unknown.
-_SPECULATIVE_NOT_YET = ("medusa", "eagle", "eagle3", "mtp")
+_SPECULATIVE_NOT_YET = ("eagle", "eagle3", "mtp")
 
 
 @dataclass
@@ -188,6 +188,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = 8
     # draft_model: the draft's folder or .gguf file, or "self" for the target's own weights, and the
     # draft's weight quantization ("self" defaults to int8: a quantized copy of the target as its draft).
+    # medusa: the Medusa heads' folder (FasterDecoding's layout, or what `tokenmill train-medusa` writes).
     model: str | None = None
     quantization: str | None = None
     quantization_options: dict | None = None
@@ -215,8 +216,13 @@ class SpeculativeConfig:
                 # Group 32: the closest int4 copy (group 128 costs SmolLM2 far more perplexity; see the README).
                 self.quantization_options = {"group_size": 32}
             check_quantization(self.quantization, self.quantization_options)
+        elif self.method == "medusa":
+            if not self.model:
+                raise ValueError('speculative method "medusa" needs "model": the Medusa heads\' folder (`tokenmill train-medusa` makes one)')
+            if self.quantization is not None or self.quantization_options is not None:
+                raise ValueError('"quantization" belongs to the draft_model method, not "medusa"')
         elif self.model is not None or self.quantization is not None or self.quantization_options is not None:
-            raise ValueError(f'"model" and "quantization" belong to the draft_model method, not {self.method!r}')
+            raise ValueError(f'"model" and "quantization" belong to the draft_model and medusa methods, not {self.method!r}')
 
     @classmethod
     def from_dict(cls, values: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

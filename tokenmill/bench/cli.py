@@ -23,6 +23,7 @@ from tokenmill.bench.datasets import (
     describe,
     ids_to_text,
     length_range,
+    chat_dataset,
     edit_dataset,
     prefix_dataset,
     random_dataset,
@@ -39,11 +40,12 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
                    help="random: random token ids; sharegpt: a ShareGPT JSON file (--dataset-path); "
                         "prefix: requests sharing a long common prefix; edit: chat requests to copy a passage of "
                         "shipped text with one word changed (where speculative decoding's prompt lookup pays; "
-                        "--input-len sets the passage length) (default: random)")
+                        "--input-len sets the passage length); chat: open-ended chat prompts shipped with the "
+                        "package, held out from train-medusa's (default: random)")
     g.add_argument("--dataset-path", default=None, help="the ShareGPT-format JSON file for --dataset sharegpt")
     g.add_argument("--num-prompts", type=int, default=32, help="number of requests (default: 32)")
     g.add_argument("--input-len", type=int, default=128, help="random: prompt tokens per request; edit: passage tokens (default: 128)")
-    g.add_argument("--output-len", type=int, default=128, help="random, prefix: output tokens per request (default: 128)")
+    g.add_argument("--output-len", type=int, default=128, help="random, prefix, chat: output tokens per request (default: 128)")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random: draw lengths uniformly from [len*(1-r), len*(1+r)] (default: 0, fixed lengths)")
     g.add_argument("--min-input-len", type=int, default=None, help="random: lowest prompt length (overrides the ratio)")
@@ -191,6 +193,8 @@ def build_requests(args: argparse.Namespace, tokenizer, vocab_size: int, exclude
         )
     if args.dataset == "edit":
         return edit_dataset(tokenizer, args.num_prompts, args.input_len, args.seed)
+    if args.dataset == "chat":
+        return chat_dataset(tokenizer, args.num_prompts, args.output_len, args.seed)
     return sharegpt_dataset(args.dataset_path, tokenizer, args.num_prompts, args.seed, args.sharegpt_output_len, max_model_len)
 
 

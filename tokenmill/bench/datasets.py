@@ -17,12 +17,17 @@ import numpy as np
 
 from tokenmill.errors import TokenmillError
 
-DATASETS = ("random", "sharegpt", "prefix", "edit")
+DATASETS = ("random", "sharegpt", "prefix", "edit", "chat")
 
 # The edit dataset's text and instruction: the answer copies most of the passage, the workload where
 # prompt lookup (speculative decoding's ngram proposer) pays, as in editing or summarising a given text.
 EDIT_TEXT = Path(__file__).parent / "data" / "us_constitution.txt"
 EDIT_INSTRUCTION = 'Copy the following text exactly, but write "will" in place of "shall". Write nothing else.\n\n'
+
+# Open-ended chat prompts (answers the model must make up: where Medusa heads, not prompt lookup, pay).
+# The first CHAT_TRAIN_PROMPTS are train-medusa's default training prompts; --dataset chat uses the rest.
+CHAT_PROMPTS = Path(__file__).parent / "data" / "chat_prompts.txt"
+CHAT_TRAIN_PROMPTS = 64
 
 # vLLM's ShareGPT filter (benchmarks/datasets.py is_valid_sequence): very short prompts or
 # completions are dropped, and so are long ones.
@@ -156,6 +161,34 @@ def edit_dataset(tokenizer, num_prompts: int, passage_len: int, seed: int = 0) -
         )
         ids = list(tokenizer.encode(prompt, add_special_tokens=False))
         requests.append(SampleRequest(ids, len(tokenizer.encode(text, add_special_tokens=False)), prompt=prompt))
+    return requests
+
+
+def chat_prompt_lines(path: str | None = None) -> list[str]:
+    """Open-ended chat prompts, one per line: a file's, or the package's (whose first CHAT_TRAIN_PROMPTS
+    lines `tokenmill train-medusa` trains on and the rest `--dataset chat` measures with)."""
+    text = CHAT_PROMPTS.read_text(encoding="utf-8") if path is None else Path(path).read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def chat_request(tokenizer, line: str) -> tuple[str, list[int]]:
+    """A user message in the model's chat template: the text and its token ids."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": line}], tokenize=False, add_generation_prompt=True)
+    return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def chat_dataset(tokenizer, num_prompts: int, output_len: int, seed: int = 0) -> list[SampleRequest]:
+    """num_prompts chat requests from the package's held-out chat prompts, in order from the seed-th
+    (repeating past the end)."""
+    check_at_least("--num-prompts", num_prompts, 1)
+    check_at_least("--output-len", output_len, 1)
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise TokenmillError("--dataset chat needs a tokenizer with a chat template, and this model has none")
+    lines = chat_prompt_lines()[CHAT_TRAIN_PROMPTS:]
+    requests = []
+    for i in range(num_prompts):
+        prompt, ids = chat_request(tokenizer, lines[(seed + i) % len(lines)])
+        requests.append(SampleRequest(ids, output_len, prompt=prompt))
     return requests
 
 

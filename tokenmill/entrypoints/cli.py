@@ -1,4 +1,4 @@
-"""`tokenmill generate | chat | serve | bench`: the command line."""
+"""`tokenmill generate | chat | serve | bench | train-medusa`: the command line."""
 
 from __future__ import annotations
 
@@ -214,12 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--verbose", "-v", action="store_true", help="log build details to stderr")
     kernels.set_defaults(func=cmd_build_kernels)
 
-    # serve and bench live with their code; each registers its own subcommand.
+    # serve, bench and train-medusa live with their code; each registers its own subcommand.
     from tokenmill.bench.cli import add_bench_parser
     from tokenmill.entrypoints.openai.cli_args import add_serve_parser
+    from tokenmill.training.cli import add_train_medusa_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_train_medusa_parser(sub, _add_engine_args)
     return parser
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import nn
@@ -42,6 +44,9 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.num_blocks = 0
+        # Called after each pass that samples with (chunks, hidden states of the batch, each chunk's kept
+        # tokens): the medusa proposer drafts from the rows that sampled (worker/medusa_proposer.py).
+        self.hidden_observer: Callable[[list[ScheduledChunk], torch.Tensor, list[list[int]]], None] | None = None
         if device.type == "cpu":
             tune_malloc()
 
@@ -129,6 +134,8 @@ class ModelRunner:
             if chunks[i].sampling_params.logprobs is not None:
                 result.logprobs[i] = [row_logprobs[j] for j in range(first, first + n)]
             first += count
+        if self.hidden_observer is not None:
+            self.hidden_observer(chunks, hidden, result.sampled_token_ids)
         return result
 
     def forward(self, batch: BatchInputs) -> torch.Tensor:

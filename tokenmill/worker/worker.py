@@ -23,7 +23,9 @@ from tokenmill.distributed.communicator import TPCommunicator
 from tokenmill.engine.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.layers.quantization import get_quantization_config
 from tokenmill.loader import ModelSource, build_model, load_model_source
+from tokenmill.loader.medusa import load_medusa_heads
 from tokenmill.worker.draft_proposer import DraftModelProposer
+from tokenmill.worker.medusa_proposer import MedusaProposer
 from tokenmill.worker.model_runner import Followers, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -58,12 +60,21 @@ class Worker:
         self.runner = ModelRunner(model, spec.device, spec.dtype, config.cache.block_size, followers, "target")
         self.drafter = self._make_drafter(source, followers)
 
-    def _make_drafter(self, source: ModelSource, followers: Followers | None) -> DraftModelProposer | None:
-        """The draft_model proposer's model, built beside the target's: "self" is the target's own weights
-        under the draft's quantization."""
+    def _make_drafter(self, source: ModelSource, followers: Followers | None) -> DraftModelProposer | MedusaProposer | None:
+        """The proposer that drafts on this side: the draft_model proposer's model, built beside the
+        target's ("self" is the target's own weights under the draft's quantization), or Medusa heads
+        reading the target's hidden states (on rank 0: only rank 0 samples)."""
         spec, draft = self.spec, self.spec.config.speculative
-        if draft is None or draft.method != "draft_model":
+        if draft is None or draft.method not in ("draft_model", "medusa"):
             return None
+        if draft.method == "medusa":
+            if not self.comm.is_driver:
+                return None
+            heads = load_medusa_heads(draft.model, int(source.hf_config.hidden_size), int(source.hf_config.vocab_size),
+                                      spec.device, spec.dtype)
+            proposer = MedusaProposer(heads, draft.num_speculative_tokens)
+            self.runner.hidden_observer = proposer.observe
+            return proposer
         draft_source = source
         if draft.model != "self":
             draft_source = load_model_source(ModelConfig(model=draft.model, skip_tokenizer_init=True))
@@ -81,7 +92,7 @@ class Worker:
 
     def _runners(self) -> dict[str, ModelRunner]:
         runners = {"target": self.runner}
-        if self.drafter is not None:
+        if isinstance(self.drafter, DraftModelProposer):
             runners["draft"] = self.drafter.runner
         return runners
 

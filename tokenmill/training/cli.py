@@ -1,0 +1,55 @@
+"""`tokenmill train-medusa`: Medusa heads for a model, trained on its own answers to chat prompts."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from tokenmill.bench.datasets import CHAT_TRAIN_PROMPTS
+from tokenmill.training.medusa import MedusaTrainingConfig
+
+
+
+def add_train_medusa_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    defaults = MedusaTrainingConfig()
+    parser = sub.add_parser("train-medusa", help="train Medusa heads for a model on its own generations (self-distillation)")
+    parser.add_argument("--output", "-o", required=True, help="folder to write the heads to (config.json, medusa_lm_head.safetensors)")
+    parser.add_argument("--prompts-file", default=None, help="prompts, one per line (default: the package's chat prompts)")
+    parser.add_argument("--num-prompts", type=int, default=CHAT_TRAIN_PROMPTS, help="prompts to generate from")
+    parser.add_argument("--num-heads", type=int, default=defaults.num_heads)
+    parser.add_argument("--num-layers", type=int, default=defaults.num_layers, help="residual blocks per head")
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="tokens generated per prompt")
+    parser.add_argument("--temperature", type=float, default=defaults.temperature, help="of the generation")
+    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="positions per optimizer step")
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    add_engine_args(parser)
+    parser.set_defaults(func=cmd_train_medusa)
+
+
+def cmd_train_medusa(args: argparse.Namespace) -> None:
+    from tokenmill.entrypoints.cli import engine_config_from_args
+    from tokenmill.llm import LLM
+    from tokenmill.loader.medusa import save_medusa_heads
+    from tokenmill.training.medusa import chat_prompts, train_medusa_heads
+
+    for flag, value, low in (("--num-prompts", args.num_prompts, 1), ("--num-heads", args.num_heads, 1), ("--num-layers", args.num_layers, 0),
+                             ("--max-tokens", args.max_tokens, 3), ("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1)):
+        if value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+    config = MedusaTrainingConfig(num_heads=args.num_heads, num_layers=args.num_layers, max_tokens=args.max_tokens,
+                                  temperature=args.temperature, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    engine_config = engine_config_from_args(args)
+    if engine_config.speculative is not None or engine_config.parallel.data_parallel_size > 1:
+        raise ValueError("train-medusa runs one engine without speculative decoding: drop --speculative-config and --data-parallel-size")
+    llm = LLM.from_config(engine_config)
+    prompts = chat_prompts(llm.get_tokenizer(), args.prompts_file, args.num_prompts)
+    heads, report = train_medusa_heads(llm, prompts, config)
+    save_medusa_heads(heads, args.output, base_model=llm.llm_engine.model_name)
+    accuracy = ", ".join(f"head {i}: {a:.1%}" for i, a in enumerate(report.accuracy))
+    print(f"trained {len(heads.heads)} Medusa heads on {report.num_positions} positions of {report.num_sequences} generated "
+          f"sequences (generation {report.generate_s:.0f} s, training {report.train_s:.0f} s); held-out top-1 accuracy: "
+          f"{accuracy or 'n/a'}; written to {args.output}")
+    print(f"use them with --speculative-config '{{\"method\": \"medusa\", \"model\": \"{args.output}\", "
+          f"\"num_speculative_tokens\": {len(heads.heads)}}}'")

@@ -1,0 +1,199 @@
+"""Train Medusa heads for a model on text the model generates itself (self-distillation, as Medusa-2's
+recipe does when no training set matches the model's own outputs).
+
+1. The engine generates a continuation for each prompt; a hidden-state observer on the runner keeps
+   the final hidden state of every position it computes (prompt and output), so no second pass runs.
+2. Head i learns to predict, from the hidden state at position t, the token at t + 2 + i (the model's
+   own LM head predicts t + 1), over the generated part of each sequence. Each head starts as Medusa
+   does: its LM head a copy of the target's, its residual blocks near zero.
+3. Cross-entropy per head, weighted 0.8^i; Adam (the blocks at lr, the LM heads at a tenth); matmuls
+   in bf16 autocast on CPUs with native bf16; a held-out tenth of the sequences gives each head's
+   top-1 accuracy, an estimate of how often its draft will be kept.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from tokenmill.bench.datasets import chat_prompt_lines, chat_request
+from tokenmill.loader import load_model_source
+from tokenmill.models.medusa import MedusaHeads
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class MedusaTrainingConfig:
+    num_heads: int = 3
+    num_layers: int = 1
+    max_tokens: int = 192  # generated per prompt
+    temperature: float = 0.0  # of the generation (0: greedy, what a greedy deployment will see)
+    epochs: int = 4
+    batch_size: int = 256  # positions per optimizer step
+    lr: float = 1e-3  # the residual blocks'; the LM heads' is a tenth of it
+    head_decay: float = 0.8  # head i's loss weight is head_decay ** i
+    held_out: float = 0.1  # the fraction of sequences kept for the accuracy estimate
+    seed: int = 0
+
+
+@dataclass
+class MedusaTrainingReport:
+    num_sequences: int
+    num_positions: int
+    generate_s: float
+    train_s: float
+    accuracy: list[float] = field(default_factory=list)  # per head, top-1 on the held-out positions
+
+
+class HiddenStateCollector:
+    """A ModelRunner hidden_observer that keeps every computed position's final hidden state, per request."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict[int, torch.Tensor]] = {}
+
+    def __call__(self, chunks, hidden: torch.Tensor, sampled) -> None:
+        offset = 0
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            states = hidden[offset : offset + n].float().cpu()
+            per_request = self.rows.setdefault(chunk.request_id, {})
+            for j in range(n):  # a recomputed (preempted) position overwrites its earlier row: the same state
+                per_request[chunk.start_pos + j] = states[j]
+            offset += n
+
+    def sequence(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """The hidden states of positions start..end-1 of a request, [end - start, hidden] (positions a
+        prefix-cache hit skipped are not there: ask only from the last prompt token on, always computed)."""
+        rows = self.rows[request_id]
+        return torch.stack([rows[p] for p in range(start, end)])
+
+
+def target_lm_head(weights, hf_config) -> torch.Tensor:
+    """The target's LM head weight from its checkpoint (the input embedding when the two are tied)."""
+    heads, embeddings = {}, {}
+    for name, tensor in weights:
+        if name in ("lm_head.weight",):
+            heads[name] = tensor
+        elif name.endswith(("embed_tokens.weight", "wte.weight")):
+            embeddings[name] = tensor
+    found = heads.get("lm_head.weight")
+    if found is None or getattr(hf_config, "tie_word_embeddings", False) and embeddings:
+        found = next(iter(embeddings.values()), found)
+    if found is None:
+        raise ValueError("could not find the model's LM head (lm_head.weight or a tied embedding) in its checkpoint")
+    return found.float()
+
+
+def build_examples(collector: HiddenStateCollector, outputs, num_heads: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sequence: hidden states of its generated positions [n, hidden] and their targets [n, num_heads]
+    (head i: the token 2 + i positions ahead; -100 past the end)."""
+    hiddens, targets = [], []
+    for out in outputs:
+        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        first, last = len(out.prompt_token_ids) - 1, len(tokens) - 3  # t from the last prompt token to where t + 2 exists
+        if last < first:
+            continue
+        hidden = collector.sequence(out.request_id, first, last + 1)
+        ids = torch.tensor(tokens + [-100] * num_heads, dtype=torch.int64)
+        positions = torch.arange(first, last + 1)
+        target = torch.stack([ids[positions + 2 + i] for i in range(num_heads)], dim=1)
+        hiddens.append(hidden)
+        targets.append(target)
+    return hiddens, targets
+
+
+def train_medusa_heads(llm, prompts: Sequence, config: MedusaTrainingConfig, use_tqdm: bool = True) -> tuple[MedusaHeads, MedusaTrainingReport]:
+    """Generate with `llm` (an LLM: one engine, any tensor_parallel_size) from `prompts`, then train heads."""
+    engine = llm.llm_engine
+    runner = getattr(getattr(engine, "executor", None), "driver_runner", None)
+    if runner is None:
+        raise ValueError("train-medusa runs one engine: drop data_parallel_size")
+    if runner.hidden_observer is not None:
+        raise ValueError("train-medusa needs the engine without speculative decoding")
+    collector = HiddenStateCollector()
+    runner.hidden_observer = collector
+    start = time.perf_counter()
+    try:
+        params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, seed=config.seed)
+        outputs = llm.generate(list(prompts), params, use_tqdm=use_tqdm)
+    finally:
+        runner.hidden_observer = None
+    generate_s = time.perf_counter() - start
+
+    hiddens, targets = build_examples(collector, outputs, config.num_heads)
+    if not hiddens:
+        raise ValueError("no training positions: the prompts generated fewer than 3 tokens each")
+    rng = random.Random(config.seed)
+    order = list(range(len(hiddens)))
+    rng.shuffle(order)
+    num_held = max(1, int(len(order) * config.held_out)) if len(order) > 1 else 0
+    held, used = order[:num_held], order[num_held:]
+    train_h, train_t = torch.cat([hiddens[i] for i in used]), torch.cat([targets[i] for i in used])
+
+    hidden_size, vocab_size = train_h.shape[1], int(engine.vocab_size)
+    torch.manual_seed(config.seed)
+    heads = MedusaHeads(hidden_size, vocab_size, config.num_heads, config.num_layers)
+    source = load_model_source(replace(engine.config.model, skip_tokenizer_init=True))
+    source_head = target_lm_head(source.weights(), source.hf_config)
+    with torch.no_grad():
+        for head in heads.heads:
+            head.lm_head.weight.copy_(source_head[:vocab_size])
+            for block in head.blocks:
+                block.weight.zero_()  # Medusa's start: each head is the target's head
+                block.bias.zero_()
+    blocks = [p for head in heads.heads for p in head.blocks.parameters()]
+    lm_heads = [head.lm_head.weight for head in heads.heads]
+    optimizer = torch.optim.Adam([{"params": blocks, "lr": config.lr}, {"params": lm_heads, "lr": config.lr / 10}])
+    weights = [config.head_decay ** i for i in range(config.num_heads)]
+    steps_per_epoch = math.ceil(len(train_h) / config.batch_size)
+    # The vocabulary-wide matmuls in bf16 where the CPU has native bf16 (about 2x faster; the weights and
+    # the optimizer stay float32); float32 elsewhere, where bf16 matmuls crawl.
+    fast_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    start = time.perf_counter()
+    heads.train()
+    bar = tqdm(range(config.epochs), desc="Training Medusa heads", unit="epoch", disable=not use_tqdm, dynamic_ncols=True)
+    for _ in bar:
+        permutation = torch.randperm(len(train_h))
+        total = 0.0
+        for step in range(steps_per_epoch):
+            index = permutation[step * config.batch_size : (step + 1) * config.batch_size]
+            h, t = train_h[index], train_t[index]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast_bf16):
+                loss = sum(w * F.cross_entropy(head(h).float(), t[:, i], ignore_index=-100)
+                           for i, (head, w) in enumerate(zip(heads.heads, weights)))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach())
+        bar.set_postfix_str(f"loss {total / steps_per_epoch:.3f}")
+    heads.eval()
+    train_s = time.perf_counter() - start
+    accuracy = []
+    if held:
+        held_h, held_t = torch.cat([hiddens[i] for i in held]), torch.cat([targets[i] for i in held])
+        with torch.no_grad():
+            for i, head in enumerate(heads.heads):
+                valid = held_t[:, i] != -100
+                accuracy.append(float((head(held_h[valid]).argmax(-1) == held_t[valid, i]).float().mean()) if valid.any() else 0.0)
+    report = MedusaTrainingReport(len(hiddens), int(sum(len(h) for h in hiddens)), generate_s, train_s, accuracy)
+    return heads, report
+
+
+def chat_prompts(tokenizer, path: str | None = None, count: int | None = None) -> list:
+    """The first `count` prompts of a file (one per line; default: the package's chat prompts, whose first
+    CHAT_TRAIN_PROMPTS are for training), in the model's chat template when it has one."""
+    lines = chat_prompt_lines(path)[:count]
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return lines
+    prompts = []
+    for line in lines:
+        text, ids = chat_request(tokenizer, line)
+        prompts.append({"prompt": text, "prompt_token_ids": ids})
+    return prompts

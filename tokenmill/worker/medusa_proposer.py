@@ -1,0 +1,71 @@
+"""The medusa proposer: Medusa heads on the target's last hidden state draft the next step's tokens.
+
+After each forward pass the runner hands it (observe) the hidden state of every sampling chunk's last
+kept row: the row that sampled the request's newest token, x[t]. Head i on it guesses x[t + 1 + i]:
+exactly the drafts the next step verifies after x[t]. They are kept per request with the position of
+x[t], and fill() writes them into the slots the scheduler reserved, when the request's last token is
+still at that position (else, e.g. right after a preemption's recompute, a draft is the last token
+repeated: verification rejects what is wrong, so any draft is safe, only less useful).
+
+Chain proposals only: each head's top-1, verified as a chain like the other proposers' drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+import numpy as np
+import torch
+
+from tokenmill.engine.messages import DRAFT_PLACEHOLDER, ScheduledChunk
+from tokenmill.models.medusa import MedusaHeads
+
+
+class MedusaProposer:
+    def __init__(self, heads: MedusaHeads, num_speculative_tokens: int) -> None:
+        if num_speculative_tokens > len(heads.heads):
+            raise ValueError(f"num_speculative_tokens {num_speculative_tokens} is more than the {len(heads.heads)} Medusa heads")
+        self.heads = heads
+        self.k = num_speculative_tokens
+        self._drafts: dict[str, tuple[int, list[int]]] = {}  # request id -> (position of its last token, drafts after it)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._drafts.pop(request_id, None)
+
+    def keep_only(self, request_ids: Collection[str]) -> None:
+        for request_id in [r for r in self._drafts if r not in request_ids]:
+            del self._drafts[request_id]
+
+    def fill(self, chunks: list[ScheduledChunk]) -> None:
+        """Write drafts into the reserved slots of every chunk that has them."""
+        for chunk in chunks:
+            k = len(chunk.spec_token_ids)
+            if not k or chunk.spec_token_ids[0] != DRAFT_PLACEHOLDER:
+                continue
+            last_pos = chunk.start_pos + len(chunk.token_ids) - k - 1
+            position, drafts = self._drafts.get(chunk.request_id, (-1, []))
+            if position != last_pos:
+                drafts = [chunk.token_ids[-k - 1]] * k
+            drafts = drafts[:k]
+            chunk.spec_token_ids[:] = drafts
+            chunk.token_ids[len(chunk.token_ids) - k :] = drafts
+
+    def observe(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, sampled: list[list[int]]) -> None:
+        """After a forward pass: hidden [tokens, hidden size] of the whole batch (chunk rows in order), and
+        each chunk's kept tokens (empty for chunks that did not sample)."""
+        rows, owners = [], []
+        offset = 0
+        for chunk, kept in zip(chunks, sampled):
+            if kept:
+                # The row after which the last kept token was sampled: the chunk's last real token's row,
+                # plus one per draft kept.
+                rows.append(offset + len(chunk.token_ids) - len(chunk.spec_token_ids) - 1 + len(kept) - 1)
+                owners.append((chunk.request_id, chunk.start_pos + len(chunk.token_ids) - len(chunk.spec_token_ids) + len(kept) - 1))
+            offset += len(chunk.token_ids)
+        if not rows:
+            return
+        index = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(hidden.device)
+        drafts = self.heads.propose(hidden[index].to(self.heads.heads[0].lm_head.weight.dtype), self.k).tolist()
+        for (request_id, position), row in zip(owners, drafts):
+            self._drafts[request_id] = (position, row)
