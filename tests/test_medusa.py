@@ -22,17 +22,19 @@ from conftest import smollm2_gguf_path
 from test_spec_decode import assert_no_blocks_held, assert_same_outputs, tiny_llm, token_prompts
 
 
-def random_heads(hidden: int, vocab: int, num_heads: int = 3, num_layers: int = 1, seed: int = 0, lm_head=None) -> MedusaHeads:
+def random_heads(hidden: int, vocab: int, num_heads: int = 3, num_layers: int = 1, seed: int = 0, lm_head=None,
+                 shared: bool = False) -> MedusaHeads:
     """Heads with random blocks; with lm_head (the target's), each head starts as the target's own head,
-    as Medusa's training does (so on a model that repeats itself its guesses are sometimes right)."""
+    as Medusa's training does (so on a model that repeats itself its guesses are sometimes right).
+    shared: heads that use the target's LM head (no weights of their own for it)."""
     torch.manual_seed(seed)
-    heads = MedusaHeads(hidden, vocab, num_heads, num_layers)
-    if lm_head is not None:
-        with torch.no_grad():
-            for head in heads.heads:
+    heads = MedusaHeads(hidden, vocab, num_heads, num_layers, shared_lm_head=shared)
+    with torch.no_grad():
+        for head in heads.heads:
+            if lm_head is not None and head.lm_head is not None:
                 head.lm_head.weight.copy_(lm_head)
-                for block in head.blocks:
-                    block.weight.mul_(0.1)
+            for block in head.blocks:
+                block.weight.mul_(0.1)
     return heads
 
 
@@ -63,6 +65,18 @@ def model_dims(folder: str) -> tuple[int, int]:
 # -- loading ----------------------------------------------------------------------------------------
 
 
+def test_shared_heads_round_trip_without_lm_head_weights(tmp_path):
+    heads = random_heads(16, 40, num_heads=2, shared=True)
+    folder = heads_folder(tmp_path, heads)
+    with open(os.path.join(folder, "config.json")) as f:
+        assert json.load(f)["medusa_lm_head"] == "shared"
+    loaded = load_medusa_heads(folder, 16, 40, torch.device("cpu"), torch.float32)
+    assert loaded.shared_lm_head and set(heads.medusa_state_dict()) == {"0.0.linear.weight", "0.0.linear.bias",
+                                                                        "1.0.linear.weight", "1.0.linear.bias"}
+    x = torch.randn(5, 16)
+    assert torch.equal(loaded.transform(x, 2), heads.transform(x, 2))
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "pt"])
 def test_heads_round_trip_through_fasterdecoding_layout(tmp_path, fmt):
     heads = random_heads(16, 40, num_heads=2, num_layers=2)
@@ -85,10 +99,13 @@ def test_heads_for_another_model_are_a_clear_error(tmp_path):
 # -- the proposer's bookkeeping ---------------------------------------------------------------------
 
 
-class RowHeads:
+class RowHeads(torch.nn.Module):
     """Stands in for MedusaHeads: row r of the hidden states proposes [r[0], r[0] + 1, ...]."""
 
-    heads = [None] * 4
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = [None] * 4
+        self.scale = torch.nn.Parameter(torch.ones(1))
 
     def propose(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         return hidden[:, :1].long() + torch.arange(k)
@@ -101,7 +118,6 @@ def chunk(request_id: str, token_ids: list[int], start_pos: int, k: int = 0, sam
 
 def test_drafts_come_from_the_row_that_sampled_the_newest_token():
     proposer = MedusaProposer(RowHeads(), num_speculative_tokens=2)
-    proposer.heads.heads[0] = type("H", (), {"lm_head": torch.nn.Linear(1, 1)})()
     # A prompt chunk (rows 0-3, sampled one token), a decode with 2 drafts of which 1 kept (rows 4-6), a
     # chunk that did not sample (rows 7-8).
     chunks = [chunk("a", [1, 2, 3, 4], 0), chunk("b", [9], 20, k=2), chunk("c", [5, 5], 0, sample=False)]
@@ -132,11 +148,11 @@ def medusa_config(folder: str, k: int = 3) -> dict:
     return {"method": "medusa", "model": folder, "num_speculative_tokens": k, "disable_by_batch_size": None}
 
 
-@pytest.mark.parametrize("model", ["llama_gqa", "qwen2", "gpt2"])
-def test_greedy_with_medusa_equals_decoding_without(tiny_model_factory, tmp_path, model):
+@pytest.mark.parametrize("model, shared", [("llama_gqa", False), ("qwen2", False), ("gpt2", False), ("llama_gqa", True), ("gpt2", True)])
+def test_greedy_with_medusa_equals_decoding_without(tiny_model_factory, tmp_path, model, shared):
     folder = tiny_model_factory(model)
     hidden, vocab = model_dims(folder)
-    heads = heads_folder(tmp_path, random_heads(hidden, vocab, lm_head=target_lm_head(folder)))
+    heads = heads_folder(tmp_path, random_heads(hidden, vocab, lm_head=target_lm_head(folder), shared=shared))
     prompts = token_prompts(6, seed=1)
     params = SamplingParams(max_tokens=24, temperature=0.0)
     reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
@@ -148,12 +164,13 @@ def test_greedy_with_medusa_equals_decoding_without(tiny_model_factory, tmp_path
     assert_no_blocks_held(llm)
 
 
-def test_medusa_with_sampling_chunks_preemption_and_prefix_caching(tiny_model_factory, tmp_path):
+@pytest.mark.parametrize("shared", [False, True])
+def test_medusa_with_sampling_chunks_preemption_and_prefix_caching(tiny_model_factory, tmp_path, shared):
     """Seeded sampling (n > 1 too) and greedy requests, a small token budget (prompts chunked) and a KV cache
     too small for the batch (preemption): the outputs of decoding without speculation."""
     folder = tiny_model_factory("llama_gqa")
     hidden, vocab = model_dims(folder)
-    heads = heads_folder(tmp_path, random_heads(hidden, vocab, num_heads=4, lm_head=target_lm_head(folder)))
+    heads = heads_folder(tmp_path, random_heads(hidden, vocab, num_heads=4, lm_head=target_lm_head(folder), shared=shared))
     prompts = token_prompts(7, seed=4)
     prompts += [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + [5, 6, 7]}]  # shares a prefix
     params = [SamplingParams(max_tokens=30, temperature=0.0)] * 5 + [
@@ -171,11 +188,13 @@ def test_medusa_with_sampling_chunks_preemption_and_prefix_caching(tiny_model_fa
     assert_no_blocks_held(llm)
 
 
-def test_medusa_under_tensor_parallelism(tiny_model_factory, tmp_path):
-    """The heads live on rank 0 (which alone samples) and read its full hidden states."""
+@pytest.mark.parametrize("shared", [False, True])
+def test_medusa_under_tensor_parallelism(tiny_model_factory, tmp_path, shared):
+    """The heads live on rank 0 (which alone samples) and read its full hidden states; shared heads' rows
+    go to every rank for the vocabulary-parallel LM head."""
     folder = tiny_model_factory("llama_gqa")
     hidden, vocab = model_dims(folder)
-    heads = heads_folder(tmp_path, random_heads(hidden, vocab, lm_head=target_lm_head(folder)))
+    heads = heads_folder(tmp_path, random_heads(hidden, vocab, lm_head=target_lm_head(folder), shared=shared))
     prompts = token_prompts(4, seed=5)
     params = SamplingParams(max_tokens=16, temperature=0.0)
     reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
@@ -199,7 +218,8 @@ def test_medusa_config_errors():
 # -- training -----------------------------------------------------------------------------------------
 
 
-def test_trained_heads_are_accepted_and_change_nothing(tiny_model_factory, tmp_path):
+@pytest.mark.parametrize("shared", [True, False])
+def test_trained_heads_are_accepted_and_change_nothing(tiny_model_factory, tmp_path, shared):
     """train_medusa_heads on the tiny model's own greedy continuations (heads that learn those sequences):
     decoding the same prompts with them keeps most drafts, and gives exactly the tokens of plain decoding."""
     from tokenmill.loader.medusa import save_medusa_heads
@@ -210,7 +230,7 @@ def test_trained_heads_are_accepted_and_change_nothing(tiny_model_factory, tmp_p
     # Two prompts share their first 32 tokens: a prefix-cache hit may skip them (positions never needed).
     prompts.append({"prompt_token_ids": [7] * 32 + [1, 2]})
     prompts[0] = {"prompt_token_ids": [7] * 32 + [3]}
-    config = MedusaTrainingConfig(num_heads=2, max_tokens=24, epochs=60, batch_size=64, lr=3e-3, held_out=0.0)
+    config = MedusaTrainingConfig(num_heads=2, max_tokens=24, epochs=60, batch_size=64, lr=3e-3, held_out=0.0, shared_lm_head=shared)
     heads, report = train_medusa_heads(tiny_llm(folder), prompts, config, use_tqdm=False)
     assert report.num_sequences == 8 and report.num_positions == 8 * 23  # t from the last prompt token to 3 before the end
     save_medusa_heads(heads, str(tmp_path / "heads"), base_model=folder)

@@ -1,5 +1,7 @@
 """Load Medusa heads from a FasterDecoding/Medusa checkpoint folder: config.json (medusa_num_heads,
-medusa_num_layers) and the heads' weights, medusa_lm_head.safetensors or medusa_lm_head.pt."""
+medusa_num_layers) and the heads' weights, medusa_lm_head.safetensors or medusa_lm_head.pt. tokenmill's
+own extension, `"medusa_lm_head": "shared"` in config.json, marks heads that use the target's LM head
+(no per-head LM head weights), as `tokenmill train-medusa` makes by default."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def load_medusa_heads(path: str, hidden_size: int, vocab_size: int, device: torc
         state = load_file(weights)
     else:
         state = torch.load(weights, map_location="cpu", weights_only=True)
-    heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers)
+    shared = config.get("medusa_lm_head") == "shared"
+    heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers, shared_lm_head=shared)
     try:
         heads.load_medusa_state_dict(state)
     except (KeyError, ValueError) as exc:
@@ -48,6 +51,8 @@ def save_medusa_heads(heads: MedusaHeads, path: str, base_model: str) -> None:
     os.makedirs(path, exist_ok=True)
     config = {"medusa_num_heads": len(heads.heads), "medusa_num_layers": heads.num_layers,
               "base_model_name_or_path": base_model, "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size}
+    if heads.shared_lm_head:
+        config["medusa_lm_head"] = "shared"
     save_file({k: v.to(torch.float32).cpu() for k, v in heads.medusa_state_dict().items()}, os.path.join(path, WEIGHT_FILES[0]))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

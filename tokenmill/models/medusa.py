@@ -11,40 +11,55 @@ from torch import nn
 
 
 class MedusaHead(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, num_layers: int) -> None:
+    """shared_lm_head: the head has no LM head of its own; the target's turns its blocks' output into
+    logits (tokenmill's own variant: the runner then appends the heads' rows to the target's logits
+    matmul, so the vocabulary-sized weight is read once per step for the target and every head)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_layers: int, shared_lm_head: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers))
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.lm_head = None if shared_lm_head else nn.Linear(hidden_size, vocab_size, bias=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] from final hidden states [rows, hidden]."""
+    def transform(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The residual blocks: what the LM head reads."""
         for block in self.blocks:
             hidden = hidden + F.silu(block(hidden))
-        return self.lm_head(hidden)
+        return hidden
+
+    def forward(self, hidden: torch.Tensor, lm_head=None) -> torch.Tensor:
+        """Logits [rows, vocab] from final hidden states [rows, hidden] (lm_head: the shared one, if so)."""
+        return (self.lm_head or lm_head)(self.transform(hidden))
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, shared_lm_head: bool = False) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.num_layers = num_layers
-        self.heads = nn.ModuleList(MedusaHead(hidden_size, vocab_size, num_layers) for _ in range(num_heads))
+        self.shared_lm_head = shared_lm_head
+        self.heads = nn.ModuleList(MedusaHead(hidden_size, vocab_size, num_layers, shared_lm_head) for _ in range(num_heads))
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """Each row's k chain drafts [rows, k]: the first k heads' most likely tokens."""
+        """Each row's k chain drafts [rows, k]: the first k heads' most likely tokens (heads with their own LM heads)."""
         return torch.stack([head(hidden).argmax(dim=-1) for head in self.heads[:k]], dim=1)
+
+    @torch.inference_mode()
+    def transform(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """The first k heads' blocks on every row, head-major [k * rows, hidden]: rows for the shared LM head."""
+        return torch.cat([head.transform(hidden) for head in self.heads[:k]])
 
     def load_medusa_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """FasterDecoding's keys: `{head}.{block}.linear.weight|bias` for the residual blocks and
-        `{head}.{num_layers}.weight` for the head's LM head (its nn.Sequential indices)."""
+        `{head}.{num_layers}.weight` for the head's LM head (its nn.Sequential indices; none when shared)."""
         ours = {}
         for i in range(len(self.heads)):
             for j in range(self.num_layers):
                 ours[f"heads.{i}.blocks.{j}.weight"] = f"{i}.{j}.linear.weight"
                 ours[f"heads.{i}.blocks.{j}.bias"] = f"{i}.{j}.linear.bias"
-            ours[f"heads.{i}.lm_head.weight"] = f"{i}.{self.num_layers}.weight"
+            if not self.shared_lm_head:
+                ours[f"heads.{i}.lm_head.weight"] = f"{i}.{self.num_layers}.weight"
         missing = sorted(theirs for theirs in ours.values() if theirs not in state)
         if missing:
             raise KeyError(f"the Medusa checkpoint lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
@@ -63,5 +78,6 @@ class MedusaHeads(nn.Module):
             for j, block in enumerate(head.blocks):
                 state[f"{i}.{j}.linear.weight"] = block.weight.detach().contiguous()
                 state[f"{i}.{j}.linear.bias"] = block.bias.detach().contiguous()
-            state[f"{i}.{self.num_layers}.weight"] = head.lm_head.weight.detach().contiguous()
+            if head.lm_head is not None:
+                state[f"{i}.{self.num_layers}.weight"] = head.lm_head.weight.detach().contiguous()
         return state

@@ -24,6 +24,9 @@ def add_train_medusa_parser(sub, add_engine_args: Callable[[argparse.ArgumentPar
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="positions per optimizer step")
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--own-lm-heads", action="store_true",
+                        help="give each head an LM head of its own (Medusa's own layout; each read every step) "
+                             "instead of sharing the target's")
     add_engine_args(parser)
     parser.set_defaults(func=cmd_train_medusa)
 
@@ -34,12 +37,13 @@ def cmd_train_medusa(args: argparse.Namespace) -> None:
     from tokenmill.loader.medusa import save_medusa_heads
     from tokenmill.training.medusa import chat_prompts, train_medusa_heads
 
-    for flag, value, low in (("--num-prompts", args.num_prompts, 1), ("--num-heads", args.num_heads, 1), ("--num-layers", args.num_layers, 0),
+    for flag, value, low in (("--num-prompts", args.num_prompts, 1), ("--num-heads", args.num_heads, 1), ("--num-layers", args.num_layers, 1),
                              ("--max-tokens", args.max_tokens, 3), ("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1)):
         if value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
     config = MedusaTrainingConfig(num_heads=args.num_heads, num_layers=args.num_layers, max_tokens=args.max_tokens,
-                                  temperature=args.temperature, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+                                  temperature=args.temperature, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                                  shared_lm_head=not args.own_lm_heads)
     engine_config = engine_config_from_args(args)
     if engine_config.speculative is not None or engine_config.parallel.data_parallel_size > 1:
         raise ValueError("train-medusa runs one engine without speculative decoding: drop --speculative-config and --data-parallel-size")

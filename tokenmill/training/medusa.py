@@ -5,7 +5,8 @@ recipe does when no training set matches the model's own outputs).
    the final hidden state of every position it computes (prompt and output), so no second pass runs.
 2. Head i learns to predict, from the hidden state at position t, the token at t + 2 + i (the model's
    own LM head predicts t + 1), over the generated part of each sequence. Each head starts as Medusa
-   does: its LM head a copy of the target's, its residual blocks near zero.
+   does, as the target's head: its residual blocks at zero, and the target's LM head (shared, by
+   default, and frozen; or a copy of its own).
 3. Cross-entropy per head, weighted 0.8^i; Adam (the blocks at lr, the LM heads at a tenth); matmuls
    in bf16 autocast on CPUs with native bf16; a held-out tenth of the sequences gives each head's
    top-1 accuracy, an estimate of how often its draft will be kept.
@@ -39,6 +40,10 @@ class MedusaTrainingConfig:
     batch_size: int = 256  # positions per optimizer step
     lr: float = 1e-3  # the residual blocks'; the LM heads' is a tenth of it
     head_decay: float = 0.8  # head i's loss weight is head_decay ** i
+    # The heads use the target's LM head (trained: their blocks only), which the runner reads once per step
+    # for the target and all heads; False: each head an LM head of its own (Medusa's layout), a copy of the
+    # target's at the start, trained at a tenth of lr, and read on every step besides the target's.
+    shared_lm_head: bool = True
     held_out: float = 0.1  # the fraction of sequences kept for the accuracy estimate
     seed: int = 0
 
@@ -139,18 +144,21 @@ def train_medusa_heads(llm, prompts: Sequence, config: MedusaTrainingConfig, use
 
     hidden_size, vocab_size = train_h.shape[1], int(engine.vocab_size)
     torch.manual_seed(config.seed)
-    heads = MedusaHeads(hidden_size, vocab_size, config.num_heads, config.num_layers)
+    heads = MedusaHeads(hidden_size, vocab_size, config.num_heads, config.num_layers, config.shared_lm_head)
     source = load_model_source(replace(engine.config.model, skip_tokenizer_init=True))
-    source_head = target_lm_head(source.weights(), source.hf_config)
+    shared = torch.nn.Linear(hidden_size, vocab_size, bias=False).requires_grad_(False)
     with torch.no_grad():
+        shared.weight.copy_(target_lm_head(source.weights(), source.hf_config)[:vocab_size])
         for head in heads.heads:
-            head.lm_head.weight.copy_(source_head[:vocab_size])
+            if head.lm_head is not None:
+                head.lm_head.weight.copy_(shared.weight)
             for block in head.blocks:
                 block.weight.zero_()  # Medusa's start: each head is the target's head
                 block.bias.zero_()
-    blocks = [p for head in heads.heads for p in head.blocks.parameters()]
-    lm_heads = [head.lm_head.weight for head in heads.heads]
-    optimizer = torch.optim.Adam([{"params": blocks, "lr": config.lr}, {"params": lm_heads, "lr": config.lr / 10}])
+    groups = [{"params": [p for head in heads.heads for p in head.blocks.parameters()], "lr": config.lr}]
+    if not config.shared_lm_head:
+        groups.append({"params": [head.lm_head.weight for head in heads.heads], "lr": config.lr / 10})
+    optimizer = torch.optim.Adam(groups)
     weights = [config.head_decay ** i for i in range(config.num_heads)]
     steps_per_epoch = math.ceil(len(train_h) / config.batch_size)
     # The vocabulary-wide matmuls in bf16 where the CPU has native bf16 (about 2x faster; the weights and
@@ -166,7 +174,7 @@ def train_medusa_heads(llm, prompts: Sequence, config: MedusaTrainingConfig, use
             index = permutation[step * config.batch_size : (step + 1) * config.batch_size]
             h, t = train_h[index], train_t[index]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast_bf16):
-                loss = sum(w * F.cross_entropy(head(h).float(), t[:, i], ignore_index=-100)
+                loss = sum(w * F.cross_entropy(head(h, shared).float(), t[:, i], ignore_index=-100)
                            for i, (head, w) in enumerate(zip(heads.heads, weights)))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -181,7 +189,7 @@ def train_medusa_heads(llm, prompts: Sequence, config: MedusaTrainingConfig, use
         with torch.no_grad():
             for i, head in enumerate(heads.heads):
                 valid = held_t[:, i] != -100
-                accuracy.append(float((head(held_h[valid]).argmax(-1) == held_t[valid, i]).float().mean()) if valid.any() else 0.0)
+                accuracy.append(float((head(held_h[valid], shared).argmax(-1) == held_t[valid, i]).float().mean()) if valid.any() else 0.0)
     report = MedusaTrainingReport(len(hiddens), int(sum(len(h) for h in hiddens)), generate_s, train_s, accuracy)
     return heads, report
 

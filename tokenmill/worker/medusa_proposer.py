@@ -7,6 +7,11 @@ x[t], and fill() writes them into the slots the scheduler reserved, when the req
 still at that position (else, e.g. right after a preemption's recompute, a draft is the last token
 repeated: verification rejects what is wrong, so any draft is safe, only less useful).
 
+Heads that share the target's LM head (`tokenmill train-medusa`'s) hand the runner their blocks' rows for
+every sampling row, which it appends to its own logits matmul (the vocabulary-sized weight read once for
+the target and all heads); observe_logits then takes the drafts of each request's last kept row. Heads
+with LM heads of their own (FasterDecoding's checkpoints) compute from the kept rows' hidden states.
+
 Chain proposals only: each head's top-1, verified as a chain like the other proposers' drafts.
 """
 
@@ -27,6 +32,7 @@ class MedusaProposer:
             raise ValueError(f"num_speculative_tokens {num_speculative_tokens} is more than the {len(heads.heads)} Medusa heads")
         self.heads = heads
         self.k = num_speculative_tokens
+        self._dtype = next(heads.parameters()).dtype  # the model's: the loader put the heads there
         self._drafts: dict[str, tuple[int, list[int]]] = {}  # request id -> (position of its last token, drafts after it)
 
     def forget(self, request_ids: Iterable[str]) -> None:
@@ -51,6 +57,26 @@ class MedusaProposer:
             chunk.spec_token_ids[:] = drafts
             chunk.token_ids[len(chunk.token_ids) - k :] = drafts
 
+    # -- heads that share the target's LM head: their rows ride along its logits matmul ---------------
+    def logits_rows(self, sampling_hidden: torch.Tensor) -> torch.Tensor:
+        """The heads' rows for the target's LM head, from the hidden states of every sampling row [rows, hidden]."""
+        return self.heads.transform(sampling_hidden.to(self._dtype), self.k)
+
+    def observe_logits(self, chunks: list[ScheduledChunk], sampled: list[list[int]], logits: torch.Tensor) -> None:
+        """After sampling: the logits of logits_rows' rows [k * rows, vocab]; the drafts of each request come
+        from its last kept row."""
+        per_row = logits.argmax(dim=-1).view(self.k, -1).t()  # [sampling rows, k]
+        rows, owners = [], []
+        first = 0
+        for chunk, kept in zip(chunks, sampled):
+            if not chunk.sample:
+                continue
+            rows.append(first + len(kept) - 1)
+            owners.append((chunk.request_id, _newest_position(chunk, kept)))
+            first += 1 + len(chunk.spec_token_ids)
+        self._keep(owners, per_row[torch.tensor(rows, dtype=torch.int64, device=per_row.device)].tolist())
+
+    # -- heads with LM heads of their own (FasterDecoding's layout) ------------------------------------
     def observe(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, sampled: list[list[int]]) -> None:
         """After a forward pass: hidden [tokens, hidden size] of the whole batch (chunk rows in order), and
         each chunk's kept tokens (empty for chunks that did not sample)."""
@@ -61,11 +87,18 @@ class MedusaProposer:
                 # The row after which the last kept token was sampled: the chunk's last real token's row,
                 # plus one per draft kept.
                 rows.append(offset + len(chunk.token_ids) - len(chunk.spec_token_ids) - 1 + len(kept) - 1)
-                owners.append((chunk.request_id, chunk.start_pos + len(chunk.token_ids) - len(chunk.spec_token_ids) + len(kept) - 1))
+                owners.append((chunk.request_id, _newest_position(chunk, kept)))
             offset += len(chunk.token_ids)
         if not rows:
             return
         index = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(hidden.device)
-        drafts = self.heads.propose(hidden[index].to(self.heads.heads[0].lm_head.weight.dtype), self.k).tolist()
+        self._keep(owners, self.heads.propose(hidden[index].to(self._dtype), self.k).tolist())
+
+    def _keep(self, owners: list[tuple[str, int]], drafts: list[list[int]]) -> None:
         for (request_id, position), row in zip(owners, drafts):
             self._drafts[request_id] = (position, row)
+
+
+def _newest_position(chunk: ScheduledChunk, kept: list[int]) -> int:
+    """The position of the newest of the kept tokens: after the chunk's real tokens and the drafts kept."""
+    return chunk.start_pos + len(chunk.token_ids) - len(chunk.spec_token_ids) + len(kept) - 1

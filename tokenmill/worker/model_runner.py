@@ -45,8 +45,14 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_blocks = 0
         # Called after each pass that samples with (chunks, hidden states of the batch, each chunk's kept
-        # tokens): the medusa proposer drafts from the rows that sampled (worker/medusa_proposer.py).
+        # tokens): the medusa proposer drafts from the rows that sampled (worker/medusa_proposer.py), and
+        # train-medusa keeps every row.
         self.hidden_observer: Callable[[list[ScheduledChunk], torch.Tensor, list[list[int]]], None] | None = None
+        # Medusa heads that share the target's LM head: rows_for_logits(hidden of the sampling rows) gives
+        # rows appended to the target's logits matmul (its weight read once for all), and their logits go
+        # to logits_observer(chunks, each chunk's kept tokens, those logits) after sampling.
+        self.extra_logits_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.extra_logits_observer: Callable[[list[ScheduledChunk], list[list[int]], torch.Tensor], None] | None = None
         if device.type == "cpu":
             tune_malloc()
 
@@ -113,7 +119,11 @@ class ModelRunner:
         if not sampling:
             return result
         rows = [row for i in sampling for row in chunks[i].sampling_rows()]
-        logits = self.compute_logits(hidden, batch.logits_indices)
+        extra = None if self.extra_logits_rows is None else self.extra_logits_rows(hidden[batch.logits_indices])
+        logits = self.compute_logits(hidden, batch.logits_indices, extra)
+        extra_logits = None
+        if extra is not None:
+            logits, extra_logits = logits[: len(rows)], logits[len(rows) :]
         meta = SamplingMetadata.from_chunks(rows, self.device)
         if grammar_bitmask is not None:
             meta.grammar_bitmask = grammar_bitmask.to(self.device)
@@ -136,6 +146,8 @@ class ModelRunner:
             first += count
         if self.hidden_observer is not None:
             self.hidden_observer(chunks, hidden, result.sampled_token_ids)
+        if extra_logits is not None:
+            self.extra_logits_observer(chunks, result.sampled_token_ids, extra_logits)
         return result
 
     def forward(self, batch: BatchInputs) -> torch.Tensor:
@@ -143,10 +155,12 @@ class ModelRunner:
         self._announce("forward", batch if self.device.type == "cpu" else batch.to(torch.device("cpu")))
         return self.model(batch.input_ids, batch.positions, batch)
 
-    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-        """Float32 logits of the given rows of hidden (on rank 0; the other ranks compute their vocabulary slices)."""
-        self._announce("logits", rows.cpu())
-        return self.model.compute_logits(hidden[rows])
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Float32 logits of the given rows of hidden, then of the extra rows if any (on rank 0; the other
+        ranks compute their vocabulary slices: the extra rows are sent to them)."""
+        self._announce("logits", rows.cpu(), None if extra is None else extra.cpu())
+        selected = hidden[rows]
+        return self.model.compute_logits(selected if extra is None else torch.cat([selected, extra.to(selected.dtype)]))
 
     def _announce(self, op: str, *args) -> None:
         if self.followers is not None:

@@ -73,7 +73,11 @@ class Worker:
             heads = load_medusa_heads(draft.model, int(source.hf_config.hidden_size), int(source.hf_config.vocab_size),
                                       spec.device, spec.dtype)
             proposer = MedusaProposer(heads, draft.num_speculative_tokens)
-            self.runner.hidden_observer = proposer.observe
+            if heads.shared_lm_head:  # the heads' rows ride along the target's logits matmul
+                self.runner.extra_logits_rows = proposer.logits_rows
+                self.runner.extra_logits_observer = proposer.observe_logits
+            else:
+                self.runner.hidden_observer = proposer.observe
             return proposer
         draft_source = source
         if draft.model != "self":
@@ -167,7 +171,9 @@ class Worker:
                 batch = args[0] if device.type == "cpu" else args[0].to(device)
                 hidden[name] = runner.model(batch.input_ids, batch.positions, batch)
             elif op == "logits":
-                runner.model.compute_logits(hidden[name][args[0].to(device)])
+                rows, extra = args
+                selected = hidden[name][rows.to(device)]
+                runner.model.compute_logits(selected if extra is None else torch.cat([selected, extra.to(device, selected.dtype)]))
             elif op == "init_kv":
                 runner.allocate_kv_cache(args[0])
             elif op == "copy_blocks":
