@@ -201,18 +201,32 @@ def test_start_waits_for_the_orphaned_ninja_of_a_killed_build(built, tmp_path):
     """A killed start's ninja outlives it (torch runs it as a child process): the next build waits for it
     to exit rather than run a second ninja over the same objects; a shell sitting in the directory is no builder."""
     root, directory = copy_build(built, tmp_path)
-    orphan = run_named("ninja", directory / "build", 3)
+    orphan = run_named("ninja", directory / "build", 120)
     bystander = run_named("bash", directory / "build", 120)
+    starting = None
     try:
         assert cpu._leftover_builders(directory / "build") == [orphan.pid]
-        result, log = start(root, **{cpu.BUILD_TIMEOUT_ENV: "60"})
-        assert orphan.poll() is not None  # the start finished after the orphan did
+        starting = subprocess.Popen([sys.executable, "-c", START], env=_env(root, **{cpu.BUILD_TIMEOUT_ENV: "60"}),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # The start says it waits (however long this busy machine takes to get there), and goes on
+        # only once the orphan has exited.
+        expected = f"waiting for the build tools of an interrupted start to exit (pids [{orphan.pid}]"
+        log = ""
+        while expected not in log:
+            line = starting.stderr.readline()
+            assert line, f"the start ended without waiting: {log}"
+            log += line
+        assert starting.poll() is None
+        orphan.kill()
+        out, rest = starting.communicate(timeout=START_TIMEOUT_S)
+        assert starting.returncode == 0, log + rest
     finally:
-        for proc in (orphan, bystander):
-            proc.kill()
-            proc.wait(timeout=10)
-    assert_ops_work(result)
-    assert f"waiting for the build tools of an interrupted start to exit (pids [{orphan.pid}]" in log
+        for proc in (orphan, bystander, starting):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if proc is not None:
+                proc.wait(timeout=10)
+    assert_ops_work(json.loads(out.strip().splitlines()[-1]))
 
 
 def test_start_waits_for_a_live_builder_and_loads_its_build(built, tmp_path):

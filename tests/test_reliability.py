@@ -1042,6 +1042,8 @@ HOSTILE += [
             _chat(json.dumps({"chat_template": "{% for i in range(100000) %}" + "x" * 1000 + "{% endfor %}"})[1:-1])),
     Hostile("chat-template-string-multiply", "/v1/chat/completions",
             _chat(json.dumps({"chat_template": "{{ 'x' * 1000000000 }}"})[1:-1])),
+    Hostile("chat-template-filter-padding", "/v1/chat/completions",
+            _chat(json.dumps({"chat_template": "{{ 'x'|center(2000000000) }}"})[1:-1])),
     Hostile("chat-template-recursive-macro", "/v1/chat/completions",
             _chat(json.dumps({"chat_template": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"})[1:-1])),
     # A memory bomb: 31 doublings make a 4 GiB string in a few seconds (40 got a server OOM-killed at 24 GB);
@@ -1146,18 +1148,11 @@ class RssWatch:
         return self.peak - self.base
 
 
-# Known gaps (issue 10 stays open for them): one huge string operation in a request-supplied template
-# (only with --trust-request-chat-template) cannot be interrupted by the render's trace function.
-KNOWN_GAPS = {
-    "chat-template-string-multiply": "a single giant string repetition in a trusted request template runs to its end",
-    "chat-template-exponential-join": "a single giant string concatenation in a trusted request template runs to its end",
-}
 
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_GAPS[c.id], strict=False)) if c.id in KNOWN_GAPS else c
-     for c in HOSTILE],
+    HOSTILE,
     ids=[c.id for c in HOSTILE],
 )
 def test_hostile_request(fuzz_slot, case):

@@ -34,6 +34,7 @@ from tokenmill.entrypoints.openai.chat_page import ChatPageMiddleware
 from tokenmill.entrypoints.openai.chat_output import OutputParsing
 from tokenmill.entrypoints.openai.chat_tools import prepare_messages
 from tokenmill.entrypoints.openai.chat_utils import check_request_template, normalize_messages, render_chat_async
+from tokenmill.entrypoints.openai.template_isolation import TemplateIsolation
 from tokenmill.entrypoints.openai.cli_args import (
     DEFAULT_BODY_READ_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
@@ -132,7 +133,10 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
     metrics = ServerMetrics(names[0], engine.max_model_len, stats=engine.stats,
                             replica_stats=getattr(engine, "replica_stats", None), replica_alive=getattr(engine, "replica_alive", None))
     limits = settings.serving_limits()
-    common = dict(metrics=metrics, request_timeout=settings.request_timeout, limits=limits)
+    # Request-supplied templates (trusted ones only) render in child processes the OS bounds.
+    isolation = (TemplateIsolation(engine.tokenizer, limits.render)
+                 if limits.trust_request_chat_template and engine.tokenizer is not None else None)
+    common = dict(metrics=metrics, request_timeout=settings.request_timeout, limits=limits, template_isolation=isolation)
     completions = OpenAIServingCompletion(engine, models, **common)
     chat = OpenAIServingChat(engine, models, parsing=settings.output_parsing(), **common)
     responses = OpenAIServingResponses(chat)
@@ -141,10 +145,14 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
     async def lifespan(app: FastAPI):
         if manage_engine:
             await engine.start(own_engine_thread=settings.own_engine_thread)
+        if isolation is not None:
+            await asyncio.to_thread(isolation.wait_ready)
         logger.info("serving %s (max_model_len %d)", ", ".join(names), engine.max_model_len)
         try:
             yield
         finally:
+            if isolation is not None:
+                isolation.close()
             if manage_engine:
                 logger.info("shutting down the engine")
                 await engine.shutdown(settings.shutdown_timeout)
@@ -224,6 +232,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *, manage_eng
                     chat_template_kwargs=body.chat_template_kwargs,
                     tools=body.tools,
                     limits=limits.render,
+                    isolation=isolation,
                 )
                 add_special = bool(body.add_special_tokens)
             else:

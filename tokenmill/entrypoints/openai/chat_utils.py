@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
 from tokenmill.entrypoints.openai.errors import BadRequest
 from tokenmill.entrypoints.openai.render_limits import RenderCancelled, RenderLimitExceeded, RenderLimits, run_limited
+
+if TYPE_CHECKING:
+    from tokenmill.entrypoints.openai.template_isolation import TemplateIsolation
 
 _TEXT_PARTS = ("text", "input_text")
 # What the model's own template raises on messages it cannot render (raise_exception, a missing key, an
@@ -103,7 +106,7 @@ def render_chat(
         text = run_limited(render, limits, stop)
     except RenderLimitExceeded as exc:
         raise BadRequest(str(exc), "chat_template" if chat_template is not None else "messages") from None
-    except RenderCancelled:
+    except (RenderCancelled, MemoryError):  # a MemoryError is the server's, or a template child's limit
         raise
     except Exception as exc:  # noqa: BLE001 - sorted below: the request's fault, or a bug
         # A template sent with the request is the request's own code: whatever it raises (1/0, a
@@ -124,11 +127,16 @@ def render_chat(
     return text
 
 
-async def render_chat_async(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-    """render_chat on a worker thread. If the caller is cancelled (its client left), the render is told
-    to stop at its next check, so the thread is freed instead of rendering for nobody."""
+async def render_chat_async(tokenizer: Any, messages: list[dict[str, Any]], *,
+                            isolation: "TemplateIsolation | None" = None, **kwargs: Any) -> str:
+    """render_chat on a worker thread; a template sent with the request in one of `isolation`'s child
+    processes, where there is one. If the caller is cancelled (its client left), the render is told to
+    stop at its next check, so the thread is freed instead of rendering for nobody."""
     stop = threading.Event()
     try:
+        if isolation is not None and kwargs.get("chat_template") is not None:
+            kwargs.pop("limits", None)  # the isolation renders within its own
+            return await asyncio.to_thread(isolation.render, messages, stop=stop, **kwargs)
         return await asyncio.to_thread(render_chat, tokenizer, messages, stop=stop, **kwargs)
     finally:
         stop.set()

@@ -13,9 +13,9 @@ holds the GIL for the whole switch interval (5 ms) whenever another thread asks 
 and the HTTP thread ask for it hundreds of times per step (after every torch call), so without the
 yield a runaway template slows every other request several times over while it runs.
 
-What this cannot stop: a single C-level operation (one enormous string repetition in a request-supplied
-template) runs to its end before the next event. Request-supplied templates are refused unless the
-operator trusts them (--trust-request-chat-template).
+What this cannot stop: a single C-level operation (one enormous string repetition) runs to its end
+before the next event. So request-supplied templates, refused unless the operator trusts them
+(--trust-request-chat-template), render in child processes the OS bounds (template_isolation.py).
 """
 
 from __future__ import annotations

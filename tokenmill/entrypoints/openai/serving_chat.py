@@ -89,6 +89,7 @@ class OpenAIServingChat(OpenAIServing):
             tools=request.tools,
             documents=request.documents,
             limits=self.limits.render,
+            isolation=self.template_isolation,
         )
         # The template already holds the special tokens (BOS and the like): don't add them twice.
         return text, await self.encode(text, request.add_special_tokens, "messages")

@@ -23,6 +23,7 @@ from tokenmill.entrypoints.openai.cli_args import DEFAULT_MAX_N, DEFAULT_MAX_PRO
 from tokenmill.entrypoints.openai.errors import BadRequest, RequestTimeout, ServiceUnavailable, guess_param
 from tokenmill.entrypoints.openai.render_limits import RenderLimits
 from tokenmill.entrypoints.openai.serving_models import ServedModels
+from tokenmill.entrypoints.openai.template_isolation import TemplateIsolation
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +180,10 @@ async def stream_outputs(requests: list[EngineRequest], deadline: float | None) 
 
 class OpenAIServing:
     def __init__(self, engine: Any, models: ServedModels, metrics: ServerMetrics | None = None,
-                 request_timeout: float | None = None, limits: ServingLimits | None = None) -> None:
+                 request_timeout: float | None = None, limits: ServingLimits | None = None,
+                 template_isolation: TemplateIsolation | None = None) -> None:
         self.engine = engine
+        self.template_isolation = template_isolation  # where request-supplied chat templates render
         self.models = models
         self.metrics = metrics
         self.request_timeout = request_timeout
