@@ -137,3 +137,53 @@ def test_bad_input_is_refused():
         run_kernel(q, k_cache, v_cache, table, first_rows + 100, starts, lens, None, 0.125)
     with pytest.raises(RuntimeError, match="share a dtype"):
         run_kernel(q.bfloat16(), k_cache, v_cache, table, first_rows, starts, lens, None, 0.125)
+
+
+# -- end to end on tiny models -----------------------------------------------------------------------
+
+
+def _greedy_runs(path, prompts, **engine_args):
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model=path, dtype="float32", enable_prefix_caching=True, num_kv_blocks=256, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    runs = []
+    # Together (shared prefix computed once, then the suffixes' chunks after it), then one at a time
+    # (each finds the prefix cached: its first chunk starts after the hit).
+    runs.append([o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)])
+    for p in prompts:
+        runs.append(llm.generate(prompt_token_ids=[p], sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids)
+    return llm, runs
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_swa"])
+@pytest.mark.parametrize("engine_args", [dict(block_size=8, max_num_batched_tokens=24), dict(block_size=4, max_num_batched_tokens=7)],
+                         ids=["bs8-chunk24", "bs4-chunk7"])
+def test_greedy_equals_reference_backend(name, engine_args, tiny_model_factory, monkeypatch):
+    """Chunked prefill and prefix caching: the CPU backend with the kernel gives the reference backend's tokens."""
+    import random
+
+    path = tiny_model_factory(name)
+    rng = random.Random(5)
+    prefix = [rng.randrange(500) for _ in range(45)]
+    prompts = [prefix + [rng.randrange(500) for _ in range(n)] for n in (1, 9, 30, 61)] + [[rng.randrange(500) for _ in range(50)]]
+
+    calls = []
+    kernel = cpu.paged_prefill_attention
+
+    def counting(out, q, k_cache, v_cache, first_rows, starts, lens, *args):
+        calls.append((starts.tolist(), lens.tolist()))
+        kernel(out, q, k_cache, v_cache, first_rows, starts, lens, *args)
+
+    monkeypatch.setattr(cpu, "paged_prefill_attention", counting)
+    llm, got = _greedy_runs(path, prompts, **engine_args)
+    assert llm.llm_engine.executor.driver_runner.attn_layers[0].backend.__name__ == "CpuPagedAttention"
+    assert any(s > 0 and n > 1 for starts, lens in calls for s, n in zip(starts, lens))  # chunks after position 0 ran in it
+    assert llm.llm_engine.stats().prefix_cache_hits > 0
+    del llm
+
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu, "cpu_kernels_available", lambda: False)
+    ref_llm, want = _greedy_runs(path, prompts, **engine_args)
+    assert ref_llm.llm_engine.executor.driver_runner.attn_layers[0].backend.__name__ == "TorchPagedAttention"
+    assert got == want
