@@ -51,7 +51,7 @@ constexpr int W = Vec::W;
 // vectors. AVX2 has 16 vector registers, AVX-512 32.
 constexpr int kSKeys = Vec::kRegisters >= 32 ? 4 : 2;
 constexpr int kSRowVecs = 4;
-constexpr int kORows = 6;
+constexpr int kORows = 6;  // o_rows' switch takes the rest: up to kORows - 1
 constexpr int kODimVecs = Vec::kRegisters >= 32 ? 4 : 2;
 
 // S^T[k, r0 .. r0 + RV*W) for KB keys: sum over d of K[k][d] * Qt[d][r].
@@ -118,7 +118,14 @@ inline void o_rows(const float* p, int64_t R, const float* const* vrows, int64_t
   for (int64_t k = 0; k < n; ++k) shifted[k] = vrows[k] + c0;
   int64_t r = 0;
   for (; r + kORows <= R; r += kORows) o_block<kORows, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D);
-  for (; r < R; ++r) o_block<1, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D);
+  switch (R - r) {  // the rows left: one block of their own size
+    case 1: o_block<1, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D); break;
+    case 2: o_block<2, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D); break;
+    case 3: o_block<3, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D); break;
+    case 4: o_block<4, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D); break;
+    case 5: o_block<5, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D); break;
+    default: break;
+  }
 }
 
 inline void o_tile(const float* p, int64_t R, const float* const* vrows, int64_t n, const float* alpha, float* o, int64_t D,
