@@ -10,7 +10,7 @@ heads of 64), block size 16, blocks in random order. "gather+sdpa" is the refere
 (TorchPagedAttention: the context's blocks gathered into a reused workspace, then SDPA with an
 explicit causal mask, or with is_causal for chunks from position 0); "kernel" is the CPU backend's
 (CpuPagedAttention). Each round times both, alternating; the table shows each one's median over
-all its calls, in milliseconds, and the ratio. The CPU's vector flags are printed with the table.
+all its calls, in milliseconds (wall clock, or with --clock cpu the process's CPU time), and the ratio. The CPU's vector flags are printed with the table.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3, help="calls of each path per round")
     parser.add_argument("--rows-per-task", type=int, default=0, help="the kernel's query rows per task (0: its default)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the process's CPU time per call (steadier on a shared machine; with --threads 1 it is the call's own time)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -80,7 +82,7 @@ def main() -> None:
         sys.exit("tokenmill's CPU kernels did not build here; nothing to compare")
     os.environ.pop("TOKENMILL_PROMPT_KERNEL", None)
     print(f"CPU: {cpu_model()}; vector flags: {' '.join(cpu_flags())}; kernels: {cpu.vector_isa()}; torch threads: {torch.get_num_threads()}")
-    print(f"heads {HEADS} q / {KV_HEADS} kv x {HEAD_DIM}, block {BLOCK}; medians in ms over {args.rounds} rounds x {args.reps} calls")
+    print(f"heads {HEADS} q / {KV_HEADS} kv x {HEAD_DIM}, block {BLOCK}; medians in ms ({args.clock} clock) over {args.rounds} rounds x {args.reps} calls")
     print(f"{'dtype':9} {'ctx':>5} {'chunk':>5} {'start':>5} {'gather+sdpa':>12} {'kernel':>9} {'speedup':>8} {'max err':>8}")
     rows = []
     for dtype_name in args.dtypes.split(","):
@@ -103,13 +105,14 @@ def main() -> None:
                 return CpuPagedAttention.forward(q, k_cache, v_cache, batch, HEAD_DIM**-0.5, None, workspace)
 
             err = (reference().float() - kernel().float()).abs().max().item()
+            clock = time.process_time if args.clock == "cpu" else time.perf_counter
             times = {"ref": [], "kernel": []}
             for _ in range(args.rounds):
                 for name, fn in (("ref", reference), ("kernel", kernel)):
                     for _ in range(args.reps):
-                        t0 = time.perf_counter()
+                        t0 = clock()
                         fn()
-                        times[name].append((time.perf_counter() - t0) * 1e3)
+                        times[name].append((clock() - t0) * 1e3)
             ref_ms, ker_ms = statistics.median(times["ref"]), statistics.median(times["kernel"])
             row = dict(dtype=dtype_name, ctx=ctx, chunk=chunk, start=ctx - chunk, ref_ms=ref_ms, kernel_ms=ker_ms,
                        speedup=ref_ms / ker_ms, max_err=err)
@@ -117,7 +120,7 @@ def main() -> None:
             print(f"{dtype_name:9} {ctx:5d} {chunk:5d} {ctx - chunk:5d} {ref_ms:12.2f} {ker_ms:9.2f} {ref_ms / ker_ms:7.2f}x {err:8.1e}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(cpu=cpu_model(), flags=cpu_flags(), isa=cpu.vector_isa(),
-                                                   threads=torch.get_num_threads(), rows=rows), indent=1))
+                                                   threads=torch.get_num_threads(), clock=args.clock, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

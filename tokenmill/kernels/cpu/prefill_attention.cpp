@@ -17,8 +17,9 @@
 // exponentials and the sums then run down columns a vector at a time, without a horizontal
 // reduction, and both products are small register-blocked GEMMs that broadcast one operand from
 // memory (a K element for S, a P element for O) against vectors of the other. bf16 / fp16 K and V
-// rows are widened to float32 once per tile (they are reused by every row of the tile); float32
-// rows are read in place. Tasks are handed out from a shared counter, longest contexts first.
+// rows are widened to float32, and float32 rows copied, into contiguous tiles in L1 once per tile
+// (every row of the task reuses them; reading float32 rows in place through the block table was
+// 10-15% slower). Tasks are handed out from a shared counter, longest contexts first.
 //
 // Built for the machine it runs on (vec.h: AVX-512 16 lanes, AVX2 + FMA + F16C 8 lanes); without
 // either, or for head sizes that are no whole number of vectors, the same tiling runs scalar loops,
@@ -54,6 +55,16 @@ constexpr int kSRowVecs = 4;
 constexpr int kORows = 6;  // o_rows' switch takes the rest: up to kORows - 1
 constexpr int kODimVecs = Vec::kRegisters >= 32 ? 4 : 2;
 
+// Pins x to a register: without it gcc folds the load of x into every FMA that uses it, so a Q
+// vector shared by KB keys was loaded KB times and the loop waited on the load ports.
+inline void in_register(Vec& x) {
+#if TOKENMILL_SIMD == 512
+  asm("" : "+v"(x.v));
+#else
+  asm("" : "+x"(x.v));
+#endif
+}
+
 // S^T[k, r0 .. r0 + RV*W) for KB keys: sum over d of K[k][d] * Qt[d][r].
 template <int KB, int RV>
 inline void s_block(const float* const* krows, const float* qt, int64_t R, int64_t D, float* s) {
@@ -61,11 +72,14 @@ inline void s_block(const float* const* krows, const float* qt, int64_t R, int64
   for (int k = 0; k < KB; ++k)
     for (int v = 0; v < RV; ++v) acc[k][v] = Vec::zero();
   for (int64_t d = 0; d < D; ++d) {
-    Vec kb[KB];
-    for (int k = 0; k < KB; ++k) kb[k] = Vec::set1(krows[k][d]);
+    Vec q[RV];
     for (int v = 0; v < RV; ++v) {
-      const Vec q = Vec::load(qt + d * R + v * W);
-      for (int k = 0; k < KB; ++k) acc[k][v] = fmadd(kb[k], q, acc[k][v]);
+      q[v] = Vec::load(qt + d * R + v * W);
+      in_register(q[v]);
+    }
+    for (int k = 0; k < KB; ++k) {
+      const Vec kb = Vec::set1(krows[k][d]);
+      for (int v = 0; v < RV; ++v) acc[k][v] = fmadd(kb, q[v], acc[k][v]);
     }
   }
   for (int k = 0; k < KB; ++k)
@@ -273,11 +287,10 @@ void prefill_kernel(
   });
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int64_t R_max = (M * G + lanes - 1) / lanes * lanes;
-  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     std::vector<float> qt(D * R_max), s(kKeyTile * R_max), o(R_max * D), m(R_max), l(R_max), alpha(R_max), qpos(R_max);
-    std::vector<float> kpack(kFloat ? 0 : kKeyTile * D), vpack(kFloat ? 0 : kKeyTile * D);
+    std::vector<float> kpack(kKeyTile * D), vpack(kKeyTile * D);
     std::vector<const float*> krows(kKeyTile), vrows(kKeyTile), shifted(kKeyTile);
     for (int64_t t; (t = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
       const Task task = tasks[t];
@@ -304,28 +317,23 @@ void prefill_kernel(
         for (int64_t k = 0; k < n; ++k) {
           const int64_t pos = k0 + k;
           const int64_t row = blocks[pos / BS] * BS + pos % BS;
-          if constexpr (kFloat) {
-            krows[k] = k_head + row * D;
-            vrows[k] = v_head + row * D;
-          } else {
-            float* kp = kpack.data() + k * D;
-            float* vp = vpack.data() + k * D;
-            const scalar_t* ks = k_head + row * D;
-            const scalar_t* vs = v_head + row * D;
-            int64_t d = 0;
+          float* kp = kpack.data() + k * D;
+          float* vp = vpack.data() + k * D;
+          const scalar_t* ks = k_head + row * D;
+          const scalar_t* vs = v_head + row * D;
+          int64_t d = 0;
 #if TOKENMILL_SIMD
-            for (; d + W <= D; d += W) {
-              store(kp + d, Vec::load(ks + d));
-              store(vp + d, Vec::load(vs + d));
-            }
-#endif
-            for (; d < D; ++d) {
-              kp[d] = static_cast<float>(ks[d]);
-              vp[d] = static_cast<float>(vs[d]);
-            }
-            krows[k] = kp;
-            vrows[k] = vp;
+          for (; d + W <= D; d += W) {
+            store(kp + d, Vec::load(ks + d));
+            store(vp + d, Vec::load(vs + d));
           }
+#endif
+          for (; d < D; ++d) {
+            kp[d] = static_cast<float>(ks[d]);
+            vp[d] = static_cast<float>(vs[d]);
+          }
+          krows[k] = kp;
+          vrows[k] = vp;
         }
 #if TOKENMILL_SIMD
         if (vec) s_tile(krows.data(), n, qt.data(), R, D, s.data());
