@@ -9,7 +9,7 @@ For each level, a build with TOKENMILL_CPU_MARCH=<level> in a temporary TORCH_EX
     x86-64-v4   AVX-512 F/BW/CD/DQ/VL: 16-lane Vec
 
 Each runs the kernel tests of tests/test_layers.py, all of tests/test_kernel_shapes.py and
-tests/test_quant_kernels.py, and the `w8a8_kernel` tests of tests/test_w8a8.py (whose x86-64-v4
+tests/test_quant_kernels.py, the prompt-chunk kernel tests of tests/test_chunk_attention.py, and the `w8a8_kernel` tests of tests/test_w8a8.py (whose x86-64-v4
 build runs the AVX512BW code, x86-64-v4 having no VNNI; -march=native runs VNNI where the CPU has
 it) in a subprocess, and checks that the kernels were really used there (built, loaded, no test skipped,
 the library's `vector_isa` is the level's, its ninja file has the requested -march). A build takes
@@ -46,6 +46,8 @@ LEVELS = {"x86-64": ("scalar", set()), "x86-64-v3": ("avx2", V3), "x86-64-v4": (
 # What test_layers.py has of the C++ kernels: paged attention (through CpuPagedAttention, which also
 # writes K/V with write_kv), argmax + logsumexp, RMSNorm / residual add, SiLU-and-mul, rotary.
 LAYER_TESTS = "CpuPagedAttention or test_cpu_"
+# What test_chunk_attention.py has of the prompt-chunk kernel, without its end-to-end model runs.
+CHUNK_TESTS = "(test_chunk_attention and not greedy)"
 
 
 def _cpu_flags() -> set[str]:
@@ -132,13 +134,14 @@ def test_kernels_built_for_level_pass(build, level):
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
          "tests/test_layers.py", "tests/test_kernel_shapes.py", "tests/test_quant_kernels.py", "tests/test_w8a8.py",
-         "-k", f"{LAYER_TESTS} or test_kernel_shapes or test_quant_kernels or w8a8_kernel"],
+         "tests/test_chunk_attention.py",
+         "-k", f"{LAYER_TESTS} or test_kernel_shapes or test_quant_kernels or w8a8_kernel or {CHUNK_TESTS}"],
         cwd=ROOT, env=_env(build.root, level), capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
     )  # fmt: skip
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 400, summary  # ~100 of test_layers, ~120 of test_kernel_shapes, ~220 quant, ~45 w8a8
+    assert passed and int(passed.group(1)) >= 450, summary  # ~100 of test_layers, ~120 of test_kernel_shapes, ~220 quant, ~45 w8a8, ~50 chunk
     assert "skipped" not in summary, f"kernel tests skipped (the PyTorch paths ran?): {proc.stdout[-3000:]}"
 
 
@@ -187,6 +190,11 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     table = torch.randperm(40)[:36].view(4, 9)
     cpu.paged_decode_attention(out, qd, kc, vc, torch.arange(4), table, torch.tensor([0, 15, 100, 143]), None, 0.125)
     res[f"attention.{name}"] = out
+    qp = torch.randn(60, 9, 64).to(dtype)
+    outp = torch.zeros(61, 9, 64, dtype=dtype)
+    cpu.paged_prefill_attention(outp, qp, kc, vc, torch.tensor([0, 40]), torch.tensor([0, 100]), torch.tensor([40, 20]),
+                                table[:2].contiguous(), None, 0.125)
+    res[f"prefill_attention.{name}"] = outp
     xq = torch.randn(5, 576).to(dtype)
     res[f"int8_linear.{name}"] = cpu.int8_linear(xq, *quant["int8"], None)
     res[f"int4_linear.{name}"] = cpu.int4_linear(xq, *quant["int4"], 128, None)

@@ -43,7 +43,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent / "cpu"
-_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "sampling.cpp", "pointwise.cpp", "quant_linear.cpp", "int8_gemm.cpp")]
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "sampling.cpp", "pointwise.cpp", "quant_linear.cpp", "int8_gemm.cpp")]
 _HEADERS = [_DIR / "vec.h"]
 # -ffp-contract=off: no fused multiply-adds the source does not write, so the pointwise ops round as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
@@ -324,6 +324,26 @@ def paged_decode_attention(
 ) -> None:
     """out[token_rows] := each decode token's attention over its paged context (see paged_attention.cpp)."""
     torch.ops.tokenmill_cpu.paged_decode_attention(out, q, k_cache, v_cache, token_rows, block_table, positions, sliding_window or 0, scale)
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    first_rows: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    block_table: torch.Tensor,
+    sliding_window: int | None,
+    scale: float,
+    rows_per_task: int = 0,
+) -> None:
+    """out[first_rows[b] + i] := attention of prompt chunk b's query row i (position starts[b] + i) over its
+    paged context, causal, tiled flash-attention style (see prefill_attention.cpp); rows_per_task 0: the default tile."""
+    torch.ops.tokenmill_cpu.paged_prefill_attention(
+        out, q, k_cache, v_cache, first_rows, starts, lens, block_table, sliding_window or 0, scale, rows_per_task
+    )
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

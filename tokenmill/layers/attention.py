@@ -8,6 +8,7 @@ chosen per device; the torch backend here is the reference and runs anywhere.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,11 @@ from torch import nn
 
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.attention_metadata import AttentionGroup, BatchInputs
+
+
+# TOKENMILL_PROMPT_KERNEL=0 runs prompt chunks through the reference's gather + SDPA path on the CPU
+# backend too (for measuring the kernel against it; decodes keep their kernel).
+PROMPT_KERNEL_ENV = "TOKENMILL_PROMPT_KERNEL"
 
 
 class GatherWorkspace:
@@ -65,6 +71,8 @@ class TorchPagedAttention:
             if group.token_index.shape[1] == 1:
                 cls.decode(q, k_cache, v_cache, group, out, scale, sliding_window, workspace)
                 continue
+            if cls.prompt(q, k_cache, v_cache, group, out, scale, sliding_window):
+                continue
             if q_padded is None:
                 q_padded = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
             key, value = _gather_context(k_cache, v_cache, group, workspace)
@@ -84,6 +92,19 @@ class TorchPagedAttention:
             )
             out[group.token_index.flatten()] = o.transpose(1, 2).reshape(b * max_q, num_heads, head_dim)
         return out[:num_tokens]
+
+    @staticmethod
+    def prompt(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: AttentionGroup,
+        out: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+    ) -> bool:
+        """A backend's own path for a prompt-chunk group: True when it wrote out[rows]; the reference has none."""
+        return False
 
     @staticmethod
     def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs) -> None:
@@ -123,12 +144,33 @@ class TorchPagedAttention:
 
 class CpuPagedAttention(TorchPagedAttention):
     """CPU backend: decodes read K/V straight from the paged cache in tokenmill's C++ kernel
-    (tokenmill/kernels/cpu/paged_attention.cpp), and new K/V are written there as row copies;
-    prompt chunks as in the reference.
+    (tokenmill/kernels/cpu/paged_attention.cpp), new K/V are written there as row copies, and
+    prompt chunks attend from the paged cache in a tiled, causal, flash-attention-style kernel
+    (tokenmill/kernels/cpu/prefill_attention.cpp).
 
     The gather it avoids copied every decode's whole context per layer and step: a quarter of a
-    batch-32 decode step at a 200-token context, and most of it at 1,000 tokens.
+    batch-32 decode step at a 200-token context, and most of it at 1,000 tokens. For prompt chunks
+    after cached or earlier tokens the reference also builds a [b, max_q, ctx] mask and runs SDPA's
+    masked path over the gathered copy.
     """
+
+    @staticmethod
+    def prompt(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: AttentionGroup,
+        out: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+    ) -> bool:
+        if os.environ.get(PROMPT_KERNEL_ENV, "1") == "0":
+            return False
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel takes any row stride, not other layouts
+            q = q.contiguous()
+        first_rows, starts, lens = group.prompt_rows_starts_lens(q.shape[0])
+        cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, first_rows, starts, lens, group.block_table, sliding_window, scale)
+        return True
 
     @staticmethod
     def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs) -> None:

@@ -33,12 +33,26 @@ class AttentionGroup:
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _kv_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    _prompt_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def decode_rows_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode group's token rows and query positions, one per request, contiguous (made once per step)."""
         if self._decode_inputs is None:
             self._decode_inputs = (self.token_index[:, 0].contiguous(), self.query_pos[:, 0].contiguous())
         return self._decode_inputs
+
+    def prompt_rows_starts_lens(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A prompt group's first token row, start position and query length per request (made once per step).
+
+        A chunk's tokens are consecutive rows of the step; its padded slots point at the scratch row
+        num_tokens, and every real row is below it."""
+        if self._prompt_inputs is None:
+            self._prompt_inputs = (
+                self.token_index[:, 0].contiguous(),
+                self.query_pos[:, 0].contiguous(),
+                (self.token_index < num_tokens).sum(dim=1),
+            )
+        return self._prompt_inputs
 
     def kv_rows(self, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
         """Rows of a head-major cache viewed as [num_kv_heads * num_blocks, ...] holding the group's

@@ -1,0 +1,419 @@
+// Prompt-chunk attention straight from the paged, head-major KV cache (CPU), flash-attention style.
+//
+// Each prompt chunk (query rows at positions start .. start + len - 1) attends to its request's
+// context 0 .. its own position, read through the block table: no gathered copy of the context and
+// no mask tensor. The work is split into tasks of (request, KV head, tile of query positions); the
+// G query heads sharing a KV head are rows of the same tile, so every K and V row a tile needs is
+// read once for all of them. A task walks the context in tiles of N keys with an online softmax
+// (running max and sum per query row, float32), so its working set is a few tiles, whatever the
+// context length:
+//
+//   S^T [N, R]  = K_tile [N, D] . Q^T [D, R]      (scale folded into Q)
+//   causal / sliding-window mask by position arithmetic, only on tiles that cross a row's limits
+//   m_new = max(m, max_k S), P = exp(S - m_new), l = l * exp(m - m_new) + sum_k P
+//   O [R, D]   = O * exp(m - m_new) + P^T . V_tile
+//
+// Scores are kept transposed (keys as rows, query rows in the vector lanes): the row maxima, the
+// exponentials and the sums then run down columns a vector at a time, without a horizontal
+// reduction, and both products are small register-blocked GEMMs that broadcast one operand from
+// memory (a K element for S, a P element for O) against vectors of the other. bf16 / fp16 K and V
+// rows are widened to float32, and float32 rows copied, into contiguous tiles in L1 once per tile
+// (every row of the task reuses them; reading float32 rows in place through the block table was
+// 10-15% slower). Tasks are handed out from a shared counter, longest contexts first.
+//
+// Built for the machine it runs on (vec.h: AVX-512 16 lanes, AVX2 + FMA + F16C 8 lanes); without
+// either, or for head sizes that are no whole number of vectors, the same tiling runs scalar loops,
+// which are the reference.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+constexpr int64_t kKeyTile = 32;        // keys per tile (N)
+constexpr int64_t kRowsPerTask = 64;    // query rows (positions x G heads) per task by default
+
+#if TOKENMILL_SIMD
+using tokenmill_cpu::Vec;
+constexpr int W = Vec::W;
+// Register blocks: S takes KB keys x RV row vectors of accumulators; O takes RR rows x DC head-dim
+// vectors. AVX2 has 16 vector registers, AVX-512 32.
+constexpr int kSKeys = Vec::kRegisters >= 32 ? 4 : 2;
+constexpr int kSRowVecs = 4;
+constexpr int kORows = 6;  // o_rows' switch takes the rest: up to kORows - 1
+constexpr int kODimVecs = Vec::kRegisters >= 32 ? 4 : 2;
+
+// Pins x to a register: without it gcc folds the load of x into every FMA that uses it, so a Q
+// vector shared by KB keys was loaded KB times and the loop waited on the load ports.
+inline void in_register(Vec& x) {
+#if TOKENMILL_SIMD == 512
+  asm("" : "+v"(x.v));
+#else
+  asm("" : "+x"(x.v));
+#endif
+}
+
+// S^T[k, r0 .. r0 + RV*W) for KB keys: sum over d of K[k][d] * Qt[d][r].
+template <int KB, int RV>
+inline void s_block(const float* const* krows, const float* qt, int64_t R, int64_t D, float* s) {
+  Vec acc[KB][RV];
+  for (int k = 0; k < KB; ++k)
+    for (int v = 0; v < RV; ++v) acc[k][v] = Vec::zero();
+  for (int64_t d = 0; d < D; ++d) {
+    Vec q[RV];
+    for (int v = 0; v < RV; ++v) {
+      q[v] = Vec::load(qt + d * R + v * W);
+      in_register(q[v]);
+    }
+    for (int k = 0; k < KB; ++k) {
+      const Vec kb = Vec::set1(krows[k][d]);
+      for (int v = 0; v < RV; ++v) acc[k][v] = fmadd(kb, q[v], acc[k][v]);
+    }
+  }
+  for (int k = 0; k < KB; ++k)
+    for (int v = 0; v < RV; ++v) store(s + k * R + v * W, acc[k][v]);
+}
+
+template <int KB>
+inline void s_keys(const float* const* krows, const float* qt, int64_t R, int64_t D, float* s) {
+  int64_t r = 0;
+  for (; r + kSRowVecs * W <= R; r += kSRowVecs * W) s_block<KB, kSRowVecs>(krows, qt + r, R, D, s + r);
+  switch ((R - r) / W) {
+    case 1: s_block<KB, 1>(krows, qt + r, R, D, s + r); break;
+    case 2: s_block<KB, 2>(krows, qt + r, R, D, s + r); break;
+    case 3: s_block<KB, 3>(krows, qt + r, R, D, s + r); break;
+    default: break;
+  }
+}
+
+// S^T [n, R] for the tile's n keys.
+inline void s_tile(const float* const* krows, int64_t n, const float* qt, int64_t R, int64_t D, float* s) {
+  int64_t k = 0;
+  for (; k + kSKeys <= n; k += kSKeys) s_keys<kSKeys>(krows + k, qt, R, D, s + k * R);
+  for (; k < n; ++k) s_keys<1>(krows + k, qt, R, D, s + k * R);
+}
+
+// O[r, c0 .. c0 + DC*W) for RR rows: O * alpha[r] + sum over the tile's keys of P^T[k][r] * V[k].
+template <int RR, int DC>
+inline void o_block(const float* p, int64_t R, const float* const* vrows, int64_t n, const float* alpha, float* o, int64_t D) {
+  Vec acc[RR][DC];
+  for (int r = 0; r < RR; ++r) {
+    const Vec a = Vec::set1(alpha[r]);
+    for (int c = 0; c < DC; ++c) acc[r][c] = Vec::load(o + r * D + c * W) * a;
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    Vec vv[DC];
+    for (int c = 0; c < DC; ++c) vv[c] = Vec::load(vrows[k] + c * W);
+    for (int r = 0; r < RR; ++r) {
+      const Vec pk = Vec::set1(p[k * R + r]);
+      for (int c = 0; c < DC; ++c) acc[r][c] = fmadd(pk, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RR; ++r)
+    for (int c = 0; c < DC; ++c) store(o + r * D + c * W, acc[r][c]);
+}
+
+template <int DC>
+inline void o_rows(const float* p, int64_t R, const float* const* vrows, int64_t n, const float* alpha, float* o, int64_t D,
+                   int64_t c0, const float** shifted) {
+  // The V row pointers moved to this head-dim slice (o_block reads vrows[k] + c * W).
+  for (int64_t k = 0; k < n; ++k) shifted[k] = vrows[k] + c0;
+  int64_t r = 0;
+  for (; r + kORows <= R; r += kORows) o_block<kORows, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D);
+  switch (R - r) {  // the rows left: one block of their own size
+    case 1: o_block<1, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D); break;
+    case 2: o_block<2, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D); break;
+    case 3: o_block<3, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D); break;
+    case 4: o_block<4, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D); break;
+    case 5: o_block<5, DC>(p + r, R, shifted, n, alpha + r, o + r * D + c0, D); break;
+    default: break;
+  }
+}
+
+inline void o_tile(const float* p, int64_t R, const float* const* vrows, int64_t n, const float* alpha, float* o, int64_t D,
+                   const float** shifted) {
+  const int64_t chunks = D / W;
+  if (chunks % kODimVecs == 0) {
+    for (int64_t c0 = 0; c0 < D; c0 += kODimVecs * W) o_rows<kODimVecs>(p, R, vrows, n, alpha, o, D, c0, shifted);
+  } else if (chunks % 2 == 0) {
+    for (int64_t c0 = 0; c0 < D; c0 += 2 * W) o_rows<2>(p, R, vrows, n, alpha, o, D, c0, shifted);
+  } else {
+    for (int64_t c0 = 0; c0 < D; c0 += W) o_rows<1>(p, R, vrows, n, alpha, o, D, c0, shifted);
+  }
+}
+#endif
+
+// The scalar loops: the reference, and the path for head sizes that are no whole number of vectors.
+inline void s_tile_scalar(const float* const* krows, int64_t n, const float* qt, int64_t R, int64_t D, float* s) {
+  for (int64_t k = 0; k < n; ++k) {
+    float* sk = s + k * R;
+    std::fill(sk, sk + R, 0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const float kd = krows[k][d];
+      const float* q = qt + d * R;
+      for (int64_t r = 0; r < R; ++r) sk[r] += kd * q[r];
+    }
+  }
+}
+
+inline void o_tile_scalar(const float* p, int64_t R, const float* const* vrows, int64_t n, const float* alpha, float* o, int64_t D) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* orow = o + r * D;
+    for (int64_t d = 0; d < D; ++d) orow[d] *= alpha[r];
+    for (int64_t k = 0; k < n; ++k) {
+      const float pk = p[k * R + r];
+      const float* v = vrows[k];
+      for (int64_t d = 0; d < D; ++d) orow[d] += pk * v[d];
+    }
+  }
+}
+
+// Masks S^T [n, R] (keys k0 ..) to -inf where a key is after its row's position or outside its window.
+inline void mask_tile(float* s, int64_t n, int64_t R, int64_t k0, const float* qpos, int64_t window, bool vec) {
+  const float inf = std::numeric_limits<float>::infinity();
+  int64_t r_vec = 0;
+#if TOKENMILL_SIMD
+  if (vec) {
+    const Vec minus_inf = Vec::set1(-inf);
+    for (int64_t k = 0; k < n; ++k) {
+      const Vec kp = Vec::set1(static_cast<float>(k0 + k));
+      const Vec kw = Vec::set1(static_cast<float>(k0 + k + window));  // key in window: k + window > qpos
+      for (int64_t r = 0; r < R; r += W) {
+        const Vec qp = Vec::load(qpos + r);
+        Vec x = select(greater(kp, qp), minus_inf, Vec::load(s + k * R + r));
+        if (window > 0) x = select(greater(kw, qp), x, minus_inf);
+        store(s + k * R + r, x);
+      }
+    }
+    r_vec = R;
+  }
+#endif
+  if (r_vec == R) return;
+  for (int64_t k = 0; k < n; ++k)
+    for (int64_t r = 0; r < R; ++r) {
+      const float kp = static_cast<float>(k0 + k);
+      if (kp > qpos[r] || (window > 0 && kp + static_cast<float>(window) <= qpos[r])) s[k * R + r] = -inf;
+    }
+}
+
+// The online softmax step over a tile: m, l updated; S^T replaced by P^T; alpha[r] = exp(m_old - m_new).
+inline void softmax_tile(float* s, int64_t n, int64_t R, float* m, float* l, float* alpha, bool vec) {
+  const float inf = std::numeric_limits<float>::infinity();
+  int64_t r0 = 0;
+#if TOKENMILL_SIMD
+  if (vec) {
+    const Vec minus_inf = Vec::set1(-inf), zero = Vec::zero();
+    for (int64_t r = 0; r < R; r += W) {
+      Vec mt = Vec::load(s + r);
+      for (int64_t k = 1; k < n; ++k) mt = vmax(mt, Vec::load(s + k * R + r));
+      const Vec m_old = Vec::load(m + r);
+      const Vec m_new = vmax(m_old, mt);
+      // A row with every key so far masked keeps m = -inf: exponents against 0 give 0, not NaN.
+      const Vec m_use = select(greater(m_new, minus_inf), m_new, zero);
+      const Vec a = vexp(m_old - m_use);
+      Vec sum = Vec::zero();
+      for (int64_t k = 0; k < n; ++k) {
+        const Vec e = vexp(Vec::load(s + k * R + r) - m_use);
+        store(s + k * R + r, e);
+        sum = sum + e;
+      }
+      store(l + r, fmadd(Vec::load(l + r), a, sum));
+      store(m + r, m_new);
+      store(alpha + r, a);
+    }
+    r0 = R;
+  }
+#endif
+  for (int64_t r = r0; r < R; ++r) {
+    float mt = -inf;
+    for (int64_t k = 0; k < n; ++k) mt = std::max(mt, s[k * R + r]);
+    const float m_new = std::max(m[r], mt);
+    const float m_use = m_new == -inf ? 0.f : m_new;
+    const float a = std::exp(m[r] - m_use);
+    float sum = 0.f;
+    for (int64_t k = 0; k < n; ++k) {
+      const float e = std::exp(s[k * R + r] - m_use);
+      s[k * R + r] = e;
+      sum += e;
+    }
+    l[r] = l[r] * a + sum;
+    m[r] = m_new;
+    alpha[r] = a;
+  }
+}
+
+struct Task {
+  int64_t b, h, i0, rows;  // request, KV head, first query offset in the chunk, query positions
+};
+
+template <typename scalar_t>
+void prefill_kernel(
+    const scalar_t* q, int64_t q_stride,  // [T, Hkv * G, D], rows q_stride apart
+    const scalar_t* k_cache,              // [Hkv, NB, BS, D]
+    const scalar_t* v_cache,
+    const int64_t* first_rows,            // [B] row of each chunk's first query token in q / out
+    const int64_t* starts,                // [B] position of that token
+    const int64_t* lens,                  // [B] query tokens of the chunk
+    const int64_t* block_table,           // [B, MB]
+    scalar_t* out,                        // [*, Hkv * G, D] contiguous
+    int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, int64_t MB,
+    int64_t window, float scale, int64_t rows_per_task) {
+  bool vec = false;
+  int64_t lanes = 1;
+#if TOKENMILL_SIMD
+  vec = D % W == 0;
+  lanes = vec ? W : 1;
+#endif
+  const int64_t M = std::max<int64_t>(1, rows_per_task / G);  // query positions per task
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i0 = 0; i0 < lens[b]; i0 += M)
+      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, i0, std::min(M, lens[b] - i0)});
+  // Longest contexts first, so that the last tasks handed out are short ones.
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& x, const Task& y) {
+    return starts[x.b] + x.i0 + x.rows > starts[y.b] + y.i0 + y.rows;
+  });
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t R_max = (M * G + lanes - 1) / lanes * lanes;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+    std::vector<float> qt(D * R_max), s(kKeyTile * R_max), o(R_max * D), m(R_max), l(R_max), alpha(R_max), qpos(R_max);
+    std::vector<float> kpack(kKeyTile * D), vpack(kKeyTile * D);
+    std::vector<const float*> krows(kKeyTile), vrows(kKeyTile), shifted(kKeyTile);
+    for (int64_t t; (t = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
+      const Task task = tasks[t];
+      const int64_t R0 = task.rows * G, R = (R0 + lanes - 1) / lanes * lanes;
+      const int64_t p_min = starts[task.b] + task.i0, p_max = p_min + task.rows - 1;
+      // Q^T scaled, rows r = i * G + g; padding rows are zero and take the last row's position.
+      std::fill(qt.begin(), qt.begin() + D * R, 0.f);
+      for (int64_t i = 0; i < task.rows; ++i) {
+        const scalar_t* qrow = q + (first_rows[task.b] + task.i0 + i) * q_stride + task.h * G * D;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) qt[d * R + i * G + g] = static_cast<float>(qrow[g * D + d]) * scale;
+      }
+      for (int64_t r = 0; r < R; ++r) qpos[r] = static_cast<float>(r < R0 ? p_min + r / G : p_max);
+      std::fill(m.begin(), m.begin() + R, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + R, 0.f);
+      std::fill(o.begin(), o.begin() + R * D, 0.f);
+
+      const scalar_t* k_head = k_cache + task.h * NB * BS * D;
+      const scalar_t* v_head = v_cache + task.h * NB * BS * D;
+      const int64_t* blocks = block_table + task.b * MB;
+      const int64_t k_first = window > 0 ? std::max<int64_t>(0, p_min - window + 1) : 0, k_end = p_max + 1;
+      for (int64_t k0 = k_first; k0 < k_end; k0 += kKeyTile) {
+        const int64_t n = std::min(kKeyTile, k_end - k0);
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t pos = k0 + k;
+          const int64_t row = blocks[pos / BS] * BS + pos % BS;
+          float* kp = kpack.data() + k * D;
+          float* vp = vpack.data() + k * D;
+          const scalar_t* ks = k_head + row * D;
+          const scalar_t* vs = v_head + row * D;
+          int64_t d = 0;
+#if TOKENMILL_SIMD
+          for (; d + W <= D; d += W) {
+            store(kp + d, Vec::load(ks + d));
+            store(vp + d, Vec::load(vs + d));
+          }
+#endif
+          for (; d < D; ++d) {
+            kp[d] = static_cast<float>(ks[d]);
+            vp[d] = static_cast<float>(vs[d]);
+          }
+          krows[k] = kp;
+          vrows[k] = vp;
+        }
+#if TOKENMILL_SIMD
+        if (vec) s_tile(krows.data(), n, qt.data(), R, D, s.data());
+        else
+#endif
+          s_tile_scalar(krows.data(), n, qt.data(), R, D, s.data());
+        // Only tiles that reach past the first row's position or before the last row's window need a mask.
+        if (k0 + n - 1 > p_min || (window > 0 && k0 <= p_max - window)) mask_tile(s.data(), n, R, k0, qpos.data(), window, vec);
+        softmax_tile(s.data(), n, R, m.data(), l.data(), alpha.data(), vec);
+#if TOKENMILL_SIMD
+        if (vec) o_tile(s.data(), R, vrows.data(), n, alpha.data(), o.data(), D, shifted.data());
+        else
+#endif
+          o_tile_scalar(s.data(), R, vrows.data(), n, alpha.data(), o.data(), D);
+      }
+      for (int64_t i = 0; i < task.rows; ++i) {
+        scalar_t* orow = out + ((first_rows[task.b] + task.i0 + i) * Hkv + task.h) * G * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g;
+          const float inv = 1.f / l[r];
+          const float* src = o.data() + r * D;
+          int64_t d = 0;
+#if TOKENMILL_SIMD
+          if (vec) {
+            const Vec iv = Vec::set1(inv);
+            for (; d < D; d += W) store(orow + g * D + d, Vec::load(src + d) * iv);
+          }
+#endif
+          for (; d < D; ++d) orow[g * D + d] = static_cast<scalar_t>(src[d] * inv);
+        }
+      }
+    }
+  });
+}
+
+// out[first_rows[b] + i] = attention of q[first_rows[b] + i] (position starts[b] + i) over request
+// b's paged context 0 .. starts[b] + i, for i < lens[b]; other rows untouched.
+void paged_prefill_attention(
+    at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& first_rows, const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& block_table,
+    int64_t window, double scale, int64_t rows_per_task) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.size(1) == q.size(1) && out.size(2) == q.size(2),
+              "q and out must be [T, H, D] with the same H and D");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q must have contiguous heads ([T, H, D] rows, any row stride)");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [Hkv, blocks, block_size, D]");
+  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "out and the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(), "q, out and the caches must share a dtype");
+  for (const auto* x : {&first_rows, &starts, &lens, &block_table})
+    TORCH_CHECK(x->scalar_type() == at::kLong, "index tensors must be int64");
+  const auto rows = first_rows.contiguous(), st = starts.contiguous(), ln = lens.contiguous(), table = block_table.contiguous();
+  const int64_t B = rows.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "head sizes of q and the caches disagree");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && st.size(0) == B && ln.size(0) == B,
+              "block_table / starts / lens must have a row per request");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* s = st.data_ptr<int64_t>();
+  const int64_t* n = ln.data_ptr<int64_t>();
+  const int64_t* tb = table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {  // a bad row or block would read or write outside the tensors
+    TORCH_CHECK(n[b] >= 0 && s[b] >= 0 && r[b] >= 0 && r[b] + n[b] <= q.size(0) && r[b] + n[b] <= out.size(0),
+                "paged_prefill_attention: chunk rows out of range");
+    TORCH_CHECK(s[b] + n[b] <= table.size(1) * BS, "paged_prefill_attention: context longer than its block table");
+    for (int64_t i = 0; i < (s[b] + n[b] + BS - 1) / BS; ++i)
+      TORCH_CHECK(tb[b * table.size(1) + i] >= 0 && tb[b * table.size(1) + i] < NB, "paged_prefill_attention: block out of range");
+  }
+  tokenmill_cpu::dispatch_float_types(q.scalar_type(), "paged_prefill_attention", [&](auto* type_tag) {
+    using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
+    prefill_kernel<scalar_t>(
+        q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), r, s, n, tb,
+        out.data_ptr<scalar_t>(), B, Hkv, H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale),
+        rows_per_task > 0 ? rows_per_task : kRowsPerTask);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor first_rows, "
+        "Tensor starts, Tensor lens, Tensor block_table, int window, float scale, int rows_per_task) -> ()");
+  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
+}
