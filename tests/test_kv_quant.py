@@ -268,3 +268,31 @@ def test_block_budget_counts_the_smaller_bytes(tiny_model_factory, model_dtype, 
 def test_unknown_kv_cache_dtype_names_the_supported_ones():
     with pytest.raises(ValueError, match="supported: auto, int8, fp8, fp8_e4m3, fp8_e5m2"):
         LLM(kv_cache_dtype="int4")
+
+
+def test_int8_speculative_verify_gives_what_plain_decoding_gives(tiny_model_factory):
+    """ngram drafts are verified with several query rows per request (the gather + SDPA path on the dequantized
+    cache); the kept tokens are the ones int8 decoding gives without drafts (one row each, the decode kernel)."""
+    model = tiny_model_factory("llama_gqa")
+    prompts = [(p[:12] * 4)[:40] for p in PROMPTS]  # repetitive: the ngram proposer finds drafts
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}):
+        llm = LLM(model, dtype="float32", kv_cache_dtype="int8", max_model_len=256, num_kv_blocks=160, block_size=4,
+                  speculative_config=spec)
+        outputs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)])
+    assert llm.llm_engine.stats().spec_decode.num_draft_tokens > 0
+    assert outputs[0] == outputs[1]
+
+
+def test_int8_two_tensor_parallel_ranks_decode_what_one_rank_decodes(tiny_model_factory):
+    """Each rank holds its KV heads' int8 rows and scales; the outputs are one rank's."""
+    model = tiny_model_factory("llama_gqa")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = []
+    for tp in (1, 2):
+        llm = LLM(model, dtype="float32", kv_cache_dtype="int8", max_model_len=256, num_kv_blocks=160, block_size=4,
+                  skip_tokenizer_init=True, tensor_parallel_size=tp)
+        outputs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)])
+        llm.llm_engine.shutdown()
+    assert outputs[0] == outputs[1]
