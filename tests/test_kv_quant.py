@@ -296,3 +296,20 @@ def test_int8_two_tensor_parallel_ranks_decode_what_one_rank_decodes(tiny_model_
         outputs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)])
         llm.llm_engine.shutdown()
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench", "latency"], ["bench", "throughput"]])
+def test_cli_kv_cache_dtype_option(command):
+    from tokenmill.entrypoints.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args([*command, "--kv-cache-dtype", "int8"])
+    assert engine_config_from_args(args).cache.kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        build_parser().parse_args([*command, "--kv-cache-dtype", "int4"])
+
+
+def test_quantized_kv_cache_off_cpu_is_a_clear_error():
+    from tokenmill.worker.model_runner import ModelRunner
+
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        ModelRunner(torch.nn.Linear(1, 1), torch.device("meta"), torch.float32, 16, kv_cache_dtype="int8")
