@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.layers.kv_quant import KV_CACHE_DTYPES
 from tokenmill.layers.quantization import check_quantization
 
 _DTYPES = {
@@ -92,7 +93,9 @@ class CacheConfig:
     # each of N data-parallel replicas sharing one machine's RAM, set by their pool (kv_cache_memory and
     # num_kv_blocks are per engine as given).
     memory_share: float = 1.0
-    kv_cache_dtype: str = "auto"  # "auto" = model dtype; quantized KV comes later
+    # What the KV cache stores (vLLM's names): "auto" (the model's dtype), "int8" (per (token, KV head)
+    # scales), "fp8" / "fp8_e4m3" / "fp8_e5m2" (a per-tensor scale); see layers/kv_quant.py.
+    kv_cache_dtype: str = "auto"
     # Automatic prefix caching: full blocks are hashed and reused by later requests with the same prefix.
     enable_prefix_caching: bool = True
 
@@ -107,8 +110,8 @@ class CacheConfig:
             raise ValueError(f"memory_share must be in (0, 1], got {self.memory_share}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be at least 2 (block 0 is reserved), got {self.num_kv_blocks}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype must be 'auto' for now, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; supported: {', '.join(KV_CACHE_DTYPES)}")
 
 
 @dataclass

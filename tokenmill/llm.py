@@ -19,7 +19,7 @@ class LLM:
     """LLM(model=None) loads the embedded default model (SmolLM2-135M-Instruct).
 
     Keyword arguments are the engine's settings: dtype, max_model_len, block_size,
-    kv_cache_memory, memory_fraction, num_kv_blocks, max_num_batched_tokens, max_num_seqs,
+    kv_cache_memory, kv_cache_dtype, memory_fraction, num_kv_blocks, max_num_batched_tokens, max_num_seqs,
     enable_chunked_prefill, device, seed, tokenizer, skip_tokenizer_init, quantization,
     quantization_options, tensor_parallel_size, data_parallel_size.
 

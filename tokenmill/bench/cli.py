@@ -253,6 +253,7 @@ def _engine_info(engine) -> dict:
         "model": getattr(engine, "model_name", None),
         "dtype": str(engine.dtype).replace("torch.", ""),
         "quantization": engine.config.model.quantization or "none",
+        "kv_cache_dtype": engine.config.cache.kv_cache_dtype,
         "device": str(engine.device),
     }
 

@@ -17,10 +17,12 @@ def _title(text: str, fill: str = "=") -> str:
 
 
 def _model_line(result: dict) -> str:
-    """The model, its dtype, its weights' quantization (when quantized) and the device."""
+    """The model, its dtype, its weights' quantization (when quantized), its KV cache's (when quantized) and the device."""
     quantization = result.get("quantization", "none")
     weights = f", {quantization} weights" if quantization != "none" else ""
-    return f"{result['model']} ({result['dtype']}{weights}, {result['device']})"
+    kv = result.get("kv_cache_dtype", "auto")
+    kv_cache = f", {kv} KV cache" if kv != "auto" else ""
+    return f"{result['model']} ({result['dtype']}{weights}{kv_cache}, {result['device']})"
 
 
 def _row(label: str, value) -> str:

@@ -38,6 +38,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="where tensor-parallel ranks run: mp (spawned processes, the default for several) or ray (Ray actors)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    g.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="what the KV cache stores: auto (the model's dtype), int8 (a scale per token and KV head) or fp8 "
+        "(e4m3, or e5m2; a per-tensor scale of 1.0): about 2x (16-bit models) or 4x (float32) the blocks in the same memory; CPU only",
+    )
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument(
@@ -94,6 +99,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,

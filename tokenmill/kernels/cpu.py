@@ -321,9 +321,15 @@ def paged_decode_attention(
     positions: torch.Tensor,
     sliding_window: int | None,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """out[token_rows] := each decode token's attention over its paged context (see paged_attention.cpp)."""
-    torch.ops.tokenmill_cpu.paged_decode_attention(out, q, k_cache, v_cache, token_rows, block_table, positions, sliding_window or 0, scale)
+    """out[token_rows] := each decode token's attention over its paged context (see paged_attention.cpp).
+
+    k_scale / v_scale: a quantized cache's scales (int8: [Hkv, blocks, block_size]; fp8: [1]), see layers/kv_quant.py."""
+    torch.ops.tokenmill_cpu.paged_decode_attention(
+        out, q, k_cache, v_cache, token_rows, block_table, positions, sliding_window or 0, scale, k_scale, v_scale
+    )
 
 
 def paged_prefill_attention(
@@ -354,6 +360,15 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Each new token's K/V [T, Hkv, D] into its slot of the head-major caches (see paged_attention.cpp)."""
     torch.ops.tokenmill_cpu.write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def write_kv_quantized(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+) -> None:
+    """write_kv into an int8 / fp8 cache: each (token, head) row quantized as layers/kv_quant.py's quantize does
+    (int8 also stores the row's scale in k_scale / v_scale at its slot)."""
+    torch.ops.tokenmill_cpu.write_kv_quantized(k_cache, v_cache, k_scale, v_scale, k, v, slot_mapping)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

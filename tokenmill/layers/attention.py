@@ -16,6 +16,7 @@ from torch import nn
 
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.attention_metadata import AttentionGroup, BatchInputs
+from tokenmill.layers.kv_quant import FP8_DTYPES, KVScales, is_quantized, quantize
 
 
 # TOKENMILL_PROMPT_KERNEL=0 runs prompt chunks through the reference's gather + SDPA path on the CPU
@@ -47,6 +48,9 @@ class TorchPagedAttention:
     """Reference backend: gather each group's context blocks; prompt chunks run SDPA with a causal mask,
     decodes (one query token each) run as two batched matmuls.
 
+    A quantized cache (kv_quant.py: int8 with per-row scales, fp8 with a per-tensor scale) is
+    quantized on write and dequantized to the query's dtype as it is gathered.
+
     Why decodes differ: on CPU, SDPA's flash kernel with a single bf16 query row is more than ten times
     slower than the plain matmul-softmax-matmul, and for one query there is nothing to tile. The
     query heads that share a KV head are stacked as that head's query rows (GQA without repeating KV).
@@ -62,6 +66,7 @@ class TorchPagedAttention:
         scale: float,
         sliding_window: int | None,
         workspace: GatherWorkspace | None = None,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         # One extra row: padded query slots of prompt groups write their garbage to it.
@@ -69,13 +74,13 @@ class TorchPagedAttention:
         q_padded = None  # q plus a zero row that padded query slots read, made once if a prompt group needs it
         for group in batch.attn_groups:  # decodes, then prompt chunks grouped by length
             if group.token_index.shape[1] == 1:
-                cls.decode(q, k_cache, v_cache, group, out, scale, sliding_window, workspace)
+                cls.decode(q, k_cache, v_cache, group, out, scale, sliding_window, workspace, kv_scales)
                 continue
             if cls.prompt(q, k_cache, v_cache, group, out, scale, sliding_window):
                 continue
             if q_padded is None:
                 q_padded = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
-            key, value = _gather_context(k_cache, v_cache, group, workspace)
+            key, value = _gather_context(k_cache, v_cache, group, workspace, kv_scales, q.dtype)
             b, max_q = group.token_index.shape
             # Chunks that start at position 0 see exactly their own tokens, causally: SDPA's own causal
             # mask (top-left aligned) is that, and its CPU flash kernel runs 1.6x faster without an
@@ -107,13 +112,19 @@ class TorchPagedAttention:
         return False
 
     @staticmethod
-    def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs) -> None:
-        """The step's new K/V ([T, Hkv, D]) into their slots."""
+    def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs,
+                 kv_scales: KVScales | None = None) -> None:
+        """The step's new K/V ([T, Hkv, D]) into their slots, quantized for a quantized cache."""
         # Row copies into the cache viewed as [Hkv * slots, D]: far cheaper than index_copy_ along dim 1.
         head_dim = k_cache.shape[3]
         rows = batch.slot_rows(k_cache.shape[0], k_cache.shape[1] * k_cache.shape[2])
-        for cache, new in ((k_cache, k), (v_cache, v)):
-            cache.view(-1, head_dim).index_copy_(0, rows, new.transpose(0, 1).reshape(-1, head_dim).to(cache.dtype))
+        scales = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
+        for cache, new, cache_scale in ((k_cache, k, scales[0]), (v_cache, v, scales[1])):
+            values, row_scales = quantize(new.transpose(0, 1).reshape(-1, head_dim), cache.dtype, cache_scale)
+            # fp8 as its bytes: torch has no index_copy_ for float8 on CPU.
+            _bytes(cache).view(-1, head_dim).index_copy_(0, rows, _bytes(values))
+            if row_scales is not None:  # int8: each row's scale beside it
+                cache_scale.view(-1).index_copy_(0, rows, row_scales)
 
     @staticmethod
     def decode(
@@ -125,13 +136,14 @@ class TorchPagedAttention:
         scale: float,
         sliding_window: int | None,
         workspace: GatherWorkspace | None,
+        kv_scales: KVScales | None = None,
     ) -> None:
         """out[rows] := attention of a decode group's query tokens (one per request) over their contexts."""
         num_heads, head_dim = q.shape[1:]
         num_kv_heads = k_cache.shape[0]
         group_size = num_heads // num_kv_heads
         b, ctx = group.block_table.shape[0], group.block_table.shape[1] * k_cache.shape[2]
-        key, value = _gather_context(k_cache, v_cache, group, workspace)
+        key, value = _gather_context(k_cache, v_cache, group, workspace, kv_scales, q.dtype)
         mask = group.mask(k_cache.shape[2], sliding_window)  # [b, 1, 1, ctx]
         token_rows = group.token_index[:, 0]
         query = q[token_rows].view(b, num_kv_heads, group_size, head_dim).transpose(0, 1).reshape(-1, group_size, head_dim)
@@ -164,8 +176,8 @@ class CpuPagedAttention(TorchPagedAttention):
         scale: float,
         sliding_window: int | None,
     ) -> bool:
-        if os.environ.get(PROMPT_KERNEL_ENV, "1") == "0":
-            return False
+        if os.environ.get(PROMPT_KERNEL_ENV, "1") == "0" or is_quantized(k_cache):
+            return False  # a quantized cache: gathered and dequantized, then SDPA, as in the reference
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel takes any row stride, not other layouts
             q = q.contiguous()
         first_rows, starts, lens = group.prompt_rows_starts_lens(q.shape[0])
@@ -173,7 +185,11 @@ class CpuPagedAttention(TorchPagedAttention):
         return True
 
     @staticmethod
-    def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs) -> None:
+    def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs,
+                 kv_scales: KVScales | None = None) -> None:
+        if kv_scales is not None:  # quantized cache: the kernel quantizes each (token, head) row as it writes it
+            cpu_kernels.write_kv_quantized(k_cache, v_cache, kv_scales.k, kv_scales.v, k, v, batch.slot_mapping)
+            return
         if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
             TorchPagedAttention.write_kv(k_cache, v_cache, k, v, batch)
             return
@@ -189,30 +205,66 @@ class CpuPagedAttention(TorchPagedAttention):
         scale: float,
         sliding_window: int | None,
         workspace: GatherWorkspace | None,
+        kv_scales: KVScales | None = None,
     ) -> None:
         token_rows, positions = group.decode_rows_and_positions()
-        cpu_kernels.paged_decode_attention(out, q.contiguous(), k_cache, v_cache, token_rows, group.block_table, positions, sliding_window, scale)
+        k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
+        cpu_kernels.paged_decode_attention(out, q.contiguous(), k_cache, v_cache, token_rows, group.block_table, positions,
+                                           sliding_window, scale, k_scale, v_scale)
 
 
 def _gather_context(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup, workspace: GatherWorkspace | None
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    workspace: GatherWorkspace | None,
+    kv_scales: KVScales | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each (KV head, request)'s context as one contiguous matrix: K and V shaped [Hkv, b, ctx, D].
 
     Head-major cache: index_select over the rows of the flattened [Hkv * blocks] dim is a plain row
     copy, 2x faster than along dim 1 and 7x faster than indexing, and its output feeds bmm as is.
+    A quantized cache's rows are gathered as they are stored, then dequantized into `dtype`.
     """
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     b, ctx = group.block_table.shape[0], group.block_table.shape[1] * block_size
     rows = group.kv_rows(num_kv_heads, num_blocks)
     shape = (len(rows), block_size, head_dim)
-    key, value = (
-        torch.index_select(cache.view(-1, block_size, head_dim), 0, rows, out=workspace.take(name, shape, cache))
-        if workspace is not None
-        else cache.view(-1, block_size, head_dim).index_select(0, rows)
-        for name, cache in (("k", k_cache), ("v", v_cache))
-    )
-    return key.view(num_kv_heads, b, ctx, head_dim), value.view(num_kv_heads, b, ctx, head_dim)
+    scales = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
+    out = []
+    for name, cache, cache_scale in (("k", k_cache, scales[0]), ("v", v_cache, scales[1])):
+        stored = _bytes(cache).view(-1, block_size, head_dim)
+        if workspace is not None:
+            gathered = torch.index_select(stored, 0, rows, out=workspace.take(name, shape, stored))
+        else:
+            gathered = stored.index_select(0, rows)
+        if is_quantized(cache):
+            gathered = _dequantize(gathered.view(cache.dtype), cache_scale, rows, dtype or torch.float32, workspace, name + "_dq")
+        out.append(gathered.view(num_kv_heads, b, ctx, head_dim))
+    return out[0], out[1]
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8 (torch's CPU index_copy_ / index_select have no float8 kernels); others as they are."""
+    return x.view(torch.uint8) if x.dtype in FP8_DTYPES else x
+
+
+def _dequantize(
+    gathered: torch.Tensor, cache_scale: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, workspace: GatherWorkspace | None, name: str
+) -> torch.Tensor:
+    """Gathered quantized blocks [n, block_size, D] in dtype: int8 times each row's scale (computed in float32,
+    as kv_quant.dequantize), fp8 widened then times the tensor's scale."""
+    like = torch.empty(0, dtype=dtype, device=gathered.device)
+    out = workspace.take(name, tuple(gathered.shape), like) if workspace is not None else torch.empty(gathered.shape, dtype=dtype, device=gathered.device)
+    if gathered.dtype == torch.int8:
+        block_size = gathered.shape[1]
+        row_scales = cache_scale.view(-1, block_size).index_select(0, rows)  # the scales' blocks, as the cache's
+        torch.mul(gathered, row_scales.unsqueeze(-1), out=out)
+    else:
+        out.copy_(gathered)
+        out.mul_(cache_scale)
+    return out
 
 
 def attention_backend(device: torch.device) -> type[TorchPagedAttention]:
@@ -238,12 +290,13 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.backend: type[TorchPagedAttention] = TorchPagedAttention  # the runner picks the device's best
         self.workspace: GatherWorkspace | None = None  # bound by the runner, shared by all layers
+        self.kv_scales: KVScales | None = None  # a quantized cache's scales (kv_quant.py), bound by the runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.backend.write_kv(self.k_cache, self.v_cache, k, v, batch)
-        out = self.backend.forward(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, self.workspace)
+        self.backend.write_kv(self.k_cache, self.v_cache, k, v, batch, self.kv_scales)
+        out = self.backend.forward(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, self.workspace, self.kv_scales)
         return out.reshape(-1, self.num_heads * self.head_dim)

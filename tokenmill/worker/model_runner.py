@@ -12,6 +12,7 @@ from tokenmill.distributed.communicator import TPCommunicator
 from tokenmill.engine.messages import ModelRunnerOutput, PositionLogprobs, PromptLogprobsChunk, ScheduledChunk
 from tokenmill.layers.attention import Attention, GatherWorkspace, attention_backend
 from tokenmill.layers.attention_metadata import BatchInputs
+from tokenmill.layers.kv_quant import KVScales, kv_storage_dtype, scale_bytes_per_block
 from tokenmill.spec_decode.verify import draft_rows, num_kept
 from tokenmill.worker.batch import build_batch_inputs
 from tokenmill.worker.cpu_memory import tune_malloc, zeros_huge_page_aligned
@@ -34,13 +35,18 @@ class ModelRunner:
     same one on their shards in step; `name` tells them which model (the target's or the draft's)."""
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
-                 followers: "Followers | None" = None, name: str = "target") -> None:
+                 followers: "Followers | None" = None, name: str = "target", kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.followers = followers
         self.name = name
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        # What the KV cache stores (layers/kv_quant.py): the model's dtype, or int8 / fp8 with scales.
+        self.kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
+        if kv_cache_dtype != "auto" and device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} runs on CPU only (the C++ kernel, or the PyTorch reference); "
+                             f"on {device.type} use kv_cache_dtype='auto'")
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.num_blocks = 0
@@ -57,8 +63,10 @@ class ModelRunner:
             tune_malloc()
 
     def kv_bytes_per_block(self) -> int:
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem for a in self.attn_layers)
+        """Bytes one block takes in every layer: K and V rows in the cache's dtype, plus int8's per-row scales."""
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem
+                   + scale_bytes_per_block(self.kv_dtype, a.num_kv_heads, self.block_size) for a in self.attn_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's K and V once: [num_kv_heads, num_blocks, block_size, head_dim].
@@ -78,14 +86,15 @@ class ModelRunner:
             shape = (layer.num_kv_heads, num_blocks, self.block_size, layer.head_dim)
             layer.k_cache = self._zeros(shape)
             layer.v_cache = self._zeros(shape)
+            layer.kv_scales = KVScales.allocate(self.kv_dtype, shape, self.device)
         self.num_blocks = num_blocks
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         # numpy's zeros comes from calloc: the OS hands out zero pages lazily, so a large
         # cache costs no start-up time and RAM is only touched as blocks get used.
-        return torch.from_numpy(zeros_huge_page_aligned(shape, self.dtype)).view(self.dtype)
+        return torch.from_numpy(zeros_huge_page_aligned(shape, self.kv_dtype)).view(self.kv_dtype)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -100,7 +109,11 @@ class ModelRunner:
         src = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=self.device)
         dst = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=self.device)
         for layer in self.attn_layers:
-            for cache in (layer.k_cache, layer.v_cache):
+            # int8's per-row scales go with their blocks; fp8 is copied as bytes (torch has no float8 index_copy_ on CPU).
+            scales = (layer.kv_scales.k, layer.kv_scales.v) if layer.kv_scales is not None and layer.kv_scales.k.dim() == 3 else ()
+            for cache in (layer.k_cache, layer.v_cache, *scales):
+                if cache.dtype.itemsize == 1:
+                    cache = cache.view(torch.uint8)
                 cache.index_copy_(1, dst, cache.index_select(1, src))
 
     @torch.inference_mode()

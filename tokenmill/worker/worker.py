@@ -57,7 +57,8 @@ class Worker:
         followers = Followers(self.comm) if self.comm.size > 1 and self.comm.is_driver else None
         quant = get_quantization_config(config.model.quantization, config.model.quantization_options, spec.device, spec.dtype)
         model = build_model(source, spec.device, spec.dtype, spec.max_model_len, quant, self.comm)
-        self.runner = ModelRunner(model, spec.device, spec.dtype, config.cache.block_size, followers, "target")
+        self.runner = ModelRunner(model, spec.device, spec.dtype, config.cache.block_size, followers, "target",
+                                  config.cache.kv_cache_dtype)
         self.drafter = self._make_drafter(source, followers)
 
     def _make_drafter(self, source: ModelSource, followers: Followers | None) -> DraftModelProposer | MedusaProposer | None:
@@ -92,7 +93,8 @@ class Worker:
                                  "lower max_model_len")
         quant = get_quantization_config(draft.quantization, draft.quantization_options, spec.device, spec.dtype)
         model = build_model(draft_source, spec.device, spec.dtype, spec.max_model_len, quant, self.comm)
-        return DraftModelProposer(ModelRunner(model, spec.device, spec.dtype, spec.config.cache.block_size, followers, "draft"))
+        return DraftModelProposer(ModelRunner(model, spec.device, spec.dtype, spec.config.cache.block_size, followers, "draft",
+                                                   spec.config.cache.kv_cache_dtype))
 
     def _runners(self) -> dict[str, ModelRunner]:
         runners = {"target": self.runner}

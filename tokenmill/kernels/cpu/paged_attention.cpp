@@ -8,6 +8,12 @@
 // Built for the machine it runs on (-march=native, or TOKENMILL_CPU_MARCH): with AVX-512 or AVX2
 // (vec.h's Vec, 16 or 8 lanes), bf16/fp16 rows are widened to float32 in registers and the dot
 // products, V sums and exponentials run a vector at a time; without either, in scalar loops.
+//
+// A quantized cache (tokenmill/layers/kv_quant.py) is read as it is stored: int8 rows with one
+// float32 scale per (KV head, cache row), or fp8 (e4m3fn / e5m2) rows with one scale per tensor.
+// Rows are widened to float32 in registers and the scale is applied once per row, not per
+// element: to the dot product's sum for K (q . (s k) = s (q . k)), and to the probability for V
+// (p (s v) = (p s) v). write_kv_quantized quantizes each new (token, head) row as it stores it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,6 +24,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -30,22 +37,37 @@ namespace {
 using tokenmill_cpu::Vec;
 constexpr int W = Vec::W;
 constexpr int kMaxChunks = 256 / W;  // head sizes up to 256 take the vector paths
+
+// W cache values widened to float32 (unscaled): float types as Vec::load does, int8 and fp8 from vec.h.
+template <typename T>
+inline Vec load_kv(const T* p) { return Vec::load(p); }
+inline Vec load_kv(const int8_t* p) { return tokenmill_cpu::load_int8(p); }
+inline Vec load_kv(const c10::Float8_e4m3fn* p) { return tokenmill_cpu::load_fp8_e4m3(reinterpret_cast<const uint8_t*>(p)); }
+inline Vec load_kv(const c10::Float8_e5m2* p) { return tokenmill_cpu::load_fp8_e5m2(reinterpret_cast<const uint8_t*>(p)); }
 #endif
 
-// For each of the G query heads of a KV head: out[g * out_stride] = q_g . k. The key row is
+// The scale of cache row `row` of a head: scales[row * stride] (stride 1: int8's per-row scales;
+// stride 0: a per-tensor scale, or 1 for an unquantized cache).
+struct RowScales {
+  const float* scales;
+  int64_t stride;
+  float operator[](int64_t row) const { return scales[row * stride]; }
+};
+
+// For each of the G query heads of a KV head: out[g * out_stride] = (q_g . k) * ks. The key row is
 // widened to float32 once for all G heads.
 template <typename scalar_t>
-inline void dot_heads(const float* q, const scalar_t* k, int64_t G, int64_t D, float* out, int64_t out_stride) {
+inline void dot_heads(const float* q, const scalar_t* k, float ks, int64_t G, int64_t D, float* out, int64_t out_stride) {
 #if TOKENMILL_SIMD
   if (D % W == 0 && D <= 256) {
     const int64_t chunks = D / W;
     Vec kv[kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c) kv[c] = Vec::load(k + W * c);
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = load_kv(k + W * c);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       Vec s = Vec::load(qg) * kv[0];
       for (int64_t c = 1; c < chunks; ++c) s = fmadd(Vec::load(qg + W * c), kv[c], s);
-      out[g * out_stride] = reduce_add(s);
+      out[g * out_stride] = reduce_add(s) * ks;
     }
     return;
   }
@@ -53,20 +75,20 @@ inline void dot_heads(const float* q, const scalar_t* k, int64_t G, int64_t D, f
   for (int64_t g = 0; g < G; ++g) {
     float s = 0.f;
     for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * static_cast<float>(k[d]);
-    out[g * out_stride] = s;
+    out[g * out_stride] = s * ks;
   }
 }
 
-// For each of the G query heads: acc_g += p[g * p_stride] * v, the value row widened once.
+// For each of the G query heads: acc_g += (p[g * p_stride] * vs) * v, the value row widened once.
 template <typename scalar_t>
-inline void axpy_heads(float* acc, const float* p, int64_t p_stride, const scalar_t* v, int64_t G, int64_t D) {
+inline void axpy_heads(float* acc, const float* p, int64_t p_stride, const scalar_t* v, float vs, int64_t G, int64_t D) {
 #if TOKENMILL_SIMD
   if (D % W == 0 && D <= 256) {
     const int64_t chunks = D / W;
     Vec vv[kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c) vv[c] = Vec::load(v + W * c);
+    for (int64_t c = 0; c < chunks; ++c) vv[c] = load_kv(v + W * c);
     for (int64_t g = 0; g < G; ++g) {
-      const Vec pg = Vec::set1(p[g * p_stride]);
+      const Vec pg = Vec::set1(p[g * p_stride] * vs);
       float* ag = acc + g * D;
       for (int64_t c = 0; c < chunks; ++c) store(ag + W * c, fmadd(pg, vv[c], Vec::load(ag + W * c)));
     }
@@ -74,7 +96,7 @@ inline void axpy_heads(float* acc, const float* p, int64_t p_stride, const scala
   }
 #endif
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p[g * p_stride] * static_cast<float>(v[d]);
+    for (int64_t d = 0; d < D; ++d) acc[g * D + d] += (p[g * p_stride] * vs) * static_cast<float>(v[d]);
 }
 
 // max(x[0..n)); std::max_element compiled to a scalar loop through memory, a quarter of the kernel's time.
@@ -129,8 +151,8 @@ inline void for_each_row(int64_t first, int64_t len, int64_t BS, const int64_t* 
 // accumulators (PV) stay in registers: the generic loops kept them in memory, a load and a store
 // around every FMA.
 template <typename scalar_t, int G, int NC>
-void qk_fixed(const float* qf, const scalar_t* k_head, const int64_t* blocks, int64_t first, int64_t len, int64_t BS,
-              float* scores, int64_t n) {
+void qk_fixed(const float* qf, const scalar_t* k_head, RowScales ks, const int64_t* blocks, int64_t first, int64_t len,
+              int64_t BS, float* scores, int64_t n) {
   constexpr int D = W * NC;
   Vec qv[G][NC];
   for (int g = 0; g < G; ++g)
@@ -138,11 +160,12 @@ void qk_fixed(const float* qf, const scalar_t* k_head, const int64_t* blocks, in
   for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
     const scalar_t* k = k_head + row * D;
     Vec kv[NC];
-    for (int c = 0; c < NC; ++c) kv[c] = Vec::load(k + W * c);
+    for (int c = 0; c < NC; ++c) kv[c] = load_kv(k + W * c);
+    const float scale = ks[row];
     for (int g = 0; g < G; ++g) {
       Vec s = qv[g][0] * kv[0];
       for (int c = 1; c < NC; ++c) s = fmadd(qv[g][c], kv[c], s);
-      scores[g * n + (t - first)] = reduce_add(s);
+      scores[g * n + (t - first)] = reduce_add(s) * scale;
     }
   });
 }
@@ -159,8 +182,8 @@ constexpr int pv_panel() {
 }
 
 template <typename scalar_t, int G, int NC>
-void pv_fixed(const float* scores, int64_t n, const scalar_t* v_head, const int64_t* blocks, int64_t first, int64_t len,
-              int64_t BS, float* out) {
+void pv_fixed(const float* scores, int64_t n, const scalar_t* v_head, RowScales vs, const int64_t* blocks, int64_t first,
+              int64_t len, int64_t BS, float* out) {
   constexpr int D = W * NC;
   constexpr int P = pv_panel<G, NC>();
   for (int c0 = 0; c0 < NC; c0 += P) {
@@ -170,9 +193,10 @@ void pv_fixed(const float* scores, int64_t n, const scalar_t* v_head, const int6
     for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
       const scalar_t* v = v_head + row * D + W * c0;
       Vec vv[P];
-      for (int c = 0; c < P; ++c) vv[c] = Vec::load(v + W * c);
+      for (int c = 0; c < P; ++c) vv[c] = load_kv(v + W * c);
+      const float scale = vs[row];
       for (int g = 0; g < G; ++g) {
-        const Vec p = Vec::set1(scores[g * n + (t - first)]);
+        const Vec p = Vec::set1(scores[g * n + (t - first)] * scale);
         for (int c = 0; c < P; ++c) acc[g][c] = fmadd(p, vv[c], acc[g][c]);
       }
     });
@@ -182,9 +206,9 @@ void pv_fixed(const float* scores, int64_t n, const scalar_t* v_head, const int6
 }
 
 template <typename scalar_t>
-using QkFn = void (*)(const float*, const scalar_t*, const int64_t*, int64_t, int64_t, int64_t, float*, int64_t);
+using QkFn = void (*)(const float*, const scalar_t*, RowScales, const int64_t*, int64_t, int64_t, int64_t, float*, int64_t);
 template <typename scalar_t>
-using PvFn = void (*)(const float*, int64_t, const scalar_t*, const int64_t*, int64_t, int64_t, int64_t, float*);
+using PvFn = void (*)(const float*, int64_t, const scalar_t*, RowScales, const int64_t*, int64_t, int64_t, int64_t, float*);
 
 // The fixed-size passes for G query heads per KV head (1 to 8) and NC vector chunks per head.
 template <typename scalar_t, int NC, int G = 1>
@@ -198,11 +222,15 @@ void pick_fixed(int64_t g, QkFn<scalar_t>& qk, PvFn<scalar_t>& pv) {
 }
 #endif
 
-template <typename scalar_t>
+// scalar_t: the query's and output's dtype; cache_t: the cache's (scalar_t, or int8 / fp8 with scales).
+template <typename scalar_t, typename cache_t>
 void decode_kernel(
     const scalar_t* q,            // [T, Hkv * G, D]
-    const scalar_t* k_cache,      // [Hkv, NB, BS, D]
-    const scalar_t* v_cache,      // [Hkv, NB, BS, D]
+    const cache_t* k_cache,       // [Hkv, NB, BS, D]
+    const cache_t* v_cache,       // [Hkv, NB, BS, D]
+    const float* k_scale,         // int8: [Hkv, NB, BS]; fp8 or unquantized: one value (scale_stride 0)
+    const float* v_scale,
+    int64_t scale_stride,         // 1: a scale per cache row; 0: one per tensor
     const int64_t* token_rows,    // [B] row of each request's query token in q / out
     const int64_t* block_table,   // [B, MB]
     const int64_t* positions,     // [B] position of the query token; the context is 0..position
@@ -214,10 +242,10 @@ void decode_kernel(
   std::atomic<int64_t> next_task{0};
   const int64_t num_tasks = B * Hkv;
 #if TOKENMILL_SIMD
-  QkFn<scalar_t> qk = nullptr;
-  PvFn<scalar_t> pv = nullptr;
-  if (D == 64) pick_fixed<scalar_t, 64 / W>(G, qk, pv);
-  if (D == 128) pick_fixed<scalar_t, 128 / W>(G, qk, pv);
+  QkFn<cache_t> qk = nullptr;
+  PvFn<cache_t> pv = nullptr;
+  if (D == 64) pick_fixed<cache_t, 64 / W>(G, qk, pv);
+  if (D == 128) pick_fixed<cache_t, 128 / W>(G, qk, pv);
 #endif
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(G * D), acc(G * D), scores;
@@ -229,18 +257,20 @@ void decode_kernel(
       scores.resize(G * n);
       const scalar_t* qrow = q + (token_rows[b] * Hkv + h) * G * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qrow[i]) * scale;
-      const scalar_t* k_head = k_cache + h * NB * BS * D;
-      const scalar_t* v_head = v_cache + h * NB * BS * D;
+      const cache_t* k_head = k_cache + h * NB * BS * D;
+      const cache_t* v_head = v_cache + h * NB * BS * D;
+      const RowScales ks{k_scale + scale_stride * h * NB * BS, scale_stride};
+      const RowScales vs{v_scale + scale_stride * h * NB * BS, scale_stride};
       const int64_t* blocks = block_table + b * MB;
 
 #if TOKENMILL_SIMD
       if (qk != nullptr) {
-        qk(qf.data(), k_head, blocks, first, len, BS, scores.data(), n);
+        qk(qf.data(), k_head, ks, blocks, first, len, BS, scores.data(), n);
       } else
 #endif
       {
         for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
-          dot_heads(qf.data(), k_head + row * D, G, D, scores.data() + (t - first), n);
+          dot_heads(qf.data(), k_head + row * D, ks[row], G, D, scores.data() + (t - first), n);
         });
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -250,13 +280,13 @@ void decode_kernel(
       }
 #if TOKENMILL_SIMD
       if (pv != nullptr) {
-        pv(scores.data(), n, v_head, blocks, first, len, BS, acc.data());
+        pv(scores.data(), n, v_head, vs, blocks, first, len, BS, acc.data());
       } else
 #endif
       {
         std::fill(acc.begin(), acc.end(), 0.f);
         for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
-          axpy_heads(acc.data(), scores.data() + (t - first), n, v_head + row * D, G, D);
+          axpy_heads(acc.data(), scores.data() + (t - first), n, v_head + row * D, vs[row], G, D);
         });
       }
       scalar_t* orow = out + (token_rows[b] * Hkv + h) * G * D;
@@ -265,18 +295,46 @@ void decode_kernel(
   });
 }
 
+// f(static_cast<T*>(nullptr)) for the element type T of a quantized KV cache: int8, fp8 e4m3fn or e5m2.
+template <typename F>
+void dispatch_quantized_cache(at::ScalarType type, const char* op, F&& f) {
+  switch (type) {
+    case at::kChar: f(static_cast<int8_t*>(nullptr)); break;
+    case at::kFloat8_e4m3fn: f(static_cast<c10::Float8_e4m3fn*>(nullptr)); break;
+    case at::kFloat8_e5m2: f(static_cast<c10::Float8_e5m2*>(nullptr)); break;
+    default: TORCH_CHECK(false, op, ": a quantized KV cache must be int8, float8_e4m3fn or float8_e5m2");
+  }
+}
+
+// Checks a quantized cache's scales: int8's [Hkv, NB, BS] float32 (stride 1 per row), fp8's one float32 (stride 0).
+int64_t check_scales(const at::Tensor& cache, const at::Tensor& k_scale, const at::Tensor& v_scale, const char* op) {
+  for (const auto* s : {&k_scale, &v_scale})
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous(), op, ": KV scales must be contiguous float32");
+  if (cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(k_scale.dim() == 3 && k_scale.sizes() == cache.sizes().slice(0, 3) && v_scale.sizes() == k_scale.sizes(), op,
+                ": int8 KV scales must be [Hkv, blocks, block_size], as the cache's first three dims");
+    return 1;
+  }
+  TORCH_CHECK(k_scale.numel() == 1 && v_scale.numel() == 1, op, ": fp8 KV scales must hold one value each (per tensor)");
+  return 0;
+}
+
 // out[token_rows] = attention of q[token_rows] over each request's paged context; other rows untouched.
+// k_scale / v_scale: given with a quantized (int8 / fp8) cache, absent with a cache in q's dtype.
 void paged_decode_attention(
     at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& token_rows, const at::Tensor& block_table, const at::Tensor& positions,
-    int64_t window, double scale) {
+    int64_t window, double scale, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.size(1) == q.size(1) && out.size(2) == q.size(2),
               "q and out must be [T, H, D] with the same H and D");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [Hkv, blocks, block_size, D]");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q, out and the caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
-                  v_cache.scalar_type() == q.scalar_type(), "q, out and the caches must share a dtype");
+  const bool quantized = k_scale.has_value();
+  TORCH_CHECK(quantized == v_scale.has_value(), "paged_decode_attention: give both k_scale and v_scale or neither");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (quantized || k_cache.scalar_type() == q.scalar_type()),
+              "q, out and the caches must share a dtype (or the caches be quantized, with scales)");
   TORCH_CHECK(token_rows.scalar_type() == at::kLong && block_table.scalar_type() == at::kLong &&
                   positions.scalar_type() == at::kLong, "index tensors must be int64");
   const auto rows = token_rows.contiguous(), table = block_table.contiguous(), pos = positions.contiguous();
@@ -284,12 +342,23 @@ void paged_decode_attention(
   const int64_t Hkv = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "head sizes of q and the caches disagree");
   TORCH_CHECK(table.dim() == 2 && table.size(0) == B && pos.size(0) == B, "block_table / positions must have a row per request");
+  static const float kOne = 1.f;
+  const int64_t scale_stride = quantized ? check_scales(k_cache, *k_scale, *v_scale, "paged_decode_attention") : 0;
+  const float* ks = quantized ? k_scale->data_ptr<float>() : &kOne;
+  const float* vs = quantized ? v_scale->data_ptr<float>() : &kOne;
   tokenmill_cpu::dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto* type_tag) {
     using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
-    decode_kernel<scalar_t>(
-        q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), rows.data_ptr<int64_t>(),
-        table.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hkv, H / Hkv, D, NB, BS,
-        table.size(1), window, static_cast<float>(scale));
+    auto run = [&](auto* cache_tag) {
+      using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
+      decode_kernel<scalar_t, cache_t>(
+          q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(), ks, vs, scale_stride,
+          rows.data_ptr<int64_t>(), table.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hkv,
+          H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale));
+    };
+    if (quantized)
+      dispatch_quantized_cache(k_cache.scalar_type(), "paged_decode_attention", run);
+    else
+      run(static_cast<scalar_t*>(nullptr));
   });
 }
 
@@ -343,6 +412,76 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
   });
 }
 
+// One (token, head) row of D values into a quantized cache row, as tokenmill/layers/kv_quant.py's
+// quantize does (the same float32 operations, so the bytes and scales match it exactly).
+// int8: scale = max(max|x| * (1/127), 1e-10), q = round-half-even(x / scale) in [-127, 127].
+template <typename scalar_t>
+inline void quantize_row_int8(const scalar_t* x, int64_t D, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+  const float s = std::max(amax * (1.f / 127.f), 1e-10f);
+  for (int64_t d = 0; d < D; ++d) {
+    const float r = std::nearbyint(static_cast<float>(x[d]) / s);
+    q[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+  }
+  *scale = s;
+}
+
+// fp8: x / scale clamped to the format's finite range, rounded to nearest even (c10's conversion, as torch's .to()).
+template <typename scalar_t, typename fp8_t>
+inline void quantize_row_fp8(const scalar_t* x, int64_t D, fp8_t* q, float scale) {
+  const float limit = static_cast<float>(std::numeric_limits<fp8_t>::max());
+  for (int64_t d = 0; d < D; ++d) {
+    const float y = static_cast<float>(x[d]) / scale;
+    q[d] = static_cast<fp8_t>(std::min(limit, std::max(-limit, y)));
+  }
+}
+
+// write_kv into a quantized cache: each new (token, head) row of k / v quantized into its slot;
+// int8 also writes the row's scale to k_scale / v_scale [Hkv, blocks, block_size] at the same slot.
+void write_kv_quantized(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scale, at::Tensor v_scale, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "caches must be contiguous [Hkv, blocks, block_size, D] of one dtype");
+  const int64_t scale_stride = check_scales(k_cache, k_scale, v_scale, "write_kv_quantized");
+  const int64_t Hkv = k_cache.size(0), slots = k_cache.size(1) * k_cache.size(2), D = k_cache.size(3);
+  for (const auto* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->size(1) == Hkv && x->size(2) == D && x->stride(2) == 1 && x->stride(1) == D &&
+                    x->scalar_type() == k.scalar_type(),
+                "k/v must be [T, Hkv, D] of one dtype with contiguous heads");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) &&
+                  v.size(0) == k.size(0), "slot_mapping must be int64 [T]");
+  const auto slot = slot_mapping.contiguous();
+  const int64_t* slot_of = slot.data_ptr<int64_t>();
+  const int64_t T = k.size(0);
+  float* scales[2] = {k_scale.data_ptr<float>(), v_scale.data_ptr<float>()};
+  tokenmill_cpu::dispatch_float_types(k.scalar_type(), "write_kv_quantized", [&](auto* type_tag) {
+    using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
+    const scalar_t* news[2] = {k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>()};
+    const int64_t strides[2] = {k.stride(0), v.stride(0)};
+    dispatch_quantized_cache(k_cache.scalar_type(), "write_kv_quantized", [&](auto* cache_tag) {
+      using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
+      cache_t* caches[2] = {k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>()};
+      at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          TORCH_CHECK(slot_of[t] >= 0 && slot_of[t] < slots, "write_kv_quantized: slot out of range");
+          for (int c = 0; c < 2; ++c)
+            for (int64_t h = 0; h < Hkv; ++h) {
+              const int64_t row = h * slots + slot_of[t];
+              const scalar_t* src = news[c] + t * strides[c] + h * D;
+              if constexpr (std::is_same_v<cache_t, int8_t>) {
+                quantize_row_int8(src, D, caches[c] + row * D, scales[c] + row * scale_stride);
+              } else {
+                quantize_row_fp8(src, D, caches[c] + row * D, scales[c][0]);
+              }
+            }
+        }
+      });
+    });
+  });
+}
+
 // "avx512", "avx2" or "scalar": the vector code this build runs (vec.h).
 std::string vector_isa() { return tokenmill_cpu::vector_isa(); }
 
@@ -351,8 +490,11 @@ std::string vector_isa() { return tokenmill_cpu::vector_isa(); }
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("vector_isa() -> str", &vector_isa);
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor token_rows, "
-        "Tensor block_table, Tensor positions, int window, float scale) -> ()");
+        "Tensor block_table, Tensor positions, int window, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
+  m.def("write_kv_quantized(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor k, Tensor v, "
+        "Tensor slot_mapping) -> ()");
+  m.impl("write_kv_quantized", c10::DispatchKey::CPU, &write_kv_quantized);
 }

@@ -142,6 +142,23 @@ inline void load_nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
   hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4))};
 }
 
+// fp8 rows of a quantized KV cache: the bytes become fp16 bit patterns, which F16C widens exactly
+// (fp16 holds every e5m2 and e4m3 value; its subnormals are converted, not flushed). e5m2 is the
+// top byte of an fp16. e4m3fn's sign goes to bit 15 and its exponent and mantissa to bits 7..13:
+// the fp16 exponent is then e4m3's, biased by 15 instead of 7, so the value is 2^-8 of the true
+// one (subnormals included), put right by a multiply. (e4m3fn's NaN bytes are not decoded: the
+// cache writes clamp to the finite range.)
+inline Vec load_fp8_e5m2(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm512_cvtph_ps(_mm256_slli_epi16(b, 8))};
+}
+inline Vec load_fp8_e4m3(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return {_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f))};
+}
+
 // One 64-byte cache line from src to dst (64-byte aligned) with a streaming store, and the fence
 // that makes streamed lines visible before later loads.
 inline void stream_line(void* dst, const void* src) {
@@ -229,6 +246,18 @@ inline void load_nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
   const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   lo = {_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)))};
   hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4))};
+}
+
+// fp8 rows of a quantized KV cache, as the AVX-512 versions above (8 bytes at a time).
+inline Vec load_fp8_e5m2(const uint8_t* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_cvtph_ps(_mm_slli_epi16(b, 8))};
+}
+inline Vec load_fp8_e4m3(const uint8_t* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return {_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f))};
 }
 
 inline void stream_line(void* dst, const void* src) {
