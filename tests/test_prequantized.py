@@ -235,11 +235,20 @@ def _generate(folder: str, **kw):
         llm.llm_engine.shutdown()
 
 
+def _two_rank_checkpoint(tmp_path: Path, method: str) -> str:
+    if method == "gptq":
+        quantized, _ = _checkpoints(tmp_path, lambda n, w: gptq_layer(w, 4, 64, False, False, False, 0), gptq_config(sym=False))
+    else:
+        quantized, _ = _checkpoints(tmp_path, lambda n, w: awq_layer(w, 64), awq_config(64))
+    return quantized
+
+
 @needs_kernels
-def test_gptq_two_ranks_compute_what_one_computes(tmp_path):
-    """Column-parallel layers split qweight / scales by output channel (qzeros by whole int32s), row-parallel
-    ones by input channel in whole groups: the same integers and scales as one rank, so the same tokens."""
-    quantized, _ = _checkpoints(tmp_path, lambda n, w: gptq_layer(w, 4, 64, False, False, False, 0), gptq_config(sym=False))
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_two_ranks_compute_what_one_computes(tmp_path, method):
+    """Column-parallel layers split by output channel (packed tensors by whole int32s), row-parallel ones
+    by input channel in whole groups: the same integers and scales as one rank, so the same tokens."""
+    quantized = _two_rank_checkpoint(tmp_path, method)
     one, two = _generate(quantized), _generate(quantized, tensor_parallel_size=2)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
     for a, b in zip(one, two):
@@ -259,3 +268,70 @@ def test_gptq_layouts_two_ranks_cannot_split_are_clear_errors(tmp_path, case, me
                                                                    _input_seed(n)), gptq_config(**case))
     with pytest.raises(ModelLoadError, match=message):
         _generate(quantized, tensor_parallel_size=2)
+
+
+# -- AWQ ----------------------------------------------------------------------------------------
+
+
+def awq_layer(w: torch.Tensor, group: int):
+    """AutoAWQ's WQLinear_GEMM: qweight [K, N / 8] and qzeros [G, N / 8] packed along the output in
+    AWQ_ORDER, scales [G, N]; asymmetric, no offset on the zero points."""
+    n, k = w.shape
+    q, zero, scale = rtn(w, 4, group, sym=False)
+    tensors = {
+        "qweight": pack_cols(q.t(), 4, AWQ_ORDER),
+        "qzeros": pack_cols(zero.t(), 4, AWQ_ORDER),
+        "scales": scale.t().contiguous(),
+    }
+    return tensors, dequantize(q, zero, scale, torch.arange(k) // group)
+
+
+def awq_config(group=64, **kw) -> dict:
+    return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm", **kw}
+
+
+def test_awq_packing_order_is_autoawqs():
+    # AutoAWQ packs channel order_map[i] of each run of eight into bits [4i, 4i + 4).
+    from tokenmill.layers.quantization.prequantized import unpack_int32
+
+    channels = torch.arange(8).view(1, 8)
+    packed = pack_cols(channels, 4, AWQ_ORDER)
+    assert int(packed) == sum(AWQ_ORDER[i] << (4 * i) for i in range(8))
+    assert torch.equal(unpack_int32(packed, 4, dim=1, order=AWQ_ORDER), channels.int())
+
+
+@needs_kernels
+@pytest.mark.parametrize("group", [32, 128])
+def test_awq_checkpoint_computes_its_dequantized_model(tmp_path, group):
+    quantized, reference = _checkpoints(tmp_path, lambda n, w: awq_layer(w, group), awq_config(group))
+    assert_engine_computes(_llm(quantized), _llm(reference))
+
+
+@needs_kernels
+def test_awq_modules_to_not_convert_stay_float(tmp_path):
+    model = _float_model()
+    state = dict(model.state_dict())
+    dequantized = {}
+    for name, linear in _quantized_linears(model).items():
+        if ".mlp." in name:  # left in float, as modules_to_not_convert says
+            continue
+        del state[f"{name}.weight"]
+        tensors, dequantized[name] = awq_layer(linear.weight.detach(), 64)
+        state.update({f"{name}.{suffix}": t for suffix, t in tensors.items()})
+    quantized = _write(tmp_path / "q", model, state, awq_config(64, modules_to_not_convert=["mlp"]))
+    llm = _llm(quantized)
+    layer = llm.llm_engine.executor.driver_runner.model.model.layers[0]
+    assert type(layer.mlp.gate_up_proj.method).__name__ == "UnquantizedLinearMethod"
+    assert type(layer.self_attn.o_proj.method).__name__ == "AWQLinearMethod"
+    assert_engine_computes(llm, _llm(_reference(tmp_path / "r", model, dequantized)))
+
+
+def test_unsupported_awq_variants_are_clear_errors():
+    from tokenmill.layers.quantization import get_quantization_config
+
+    hf_config = _llama()
+    for config, message in [(awq_config(version="gemv"), "version 'gemv'"), (awq_config(zero_point=False), "zero_point false"),
+                            ({**awq_config(), "bits": 8}, "8-bit")]:
+        hf_config.quantization_config = config
+        with pytest.raises(ValueError, match=f"{message}.*tokenmill loads AWQ 4-bit, GEMM layout"):
+            get_quantization_config(None, None, torch.device("cpu"), torch.float32, hf_config)
