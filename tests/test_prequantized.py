@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import _llama, assert_engine_computes, randomize_weights
+from conftest import _llama, assert_engine_computes, random_prompts, randomize_weights
 from tokenmill import LLM
 from tokenmill.kernels import cpu
 
@@ -224,7 +224,6 @@ def test_gptq_on_a_float_checkpoint_from_the_cli_is_a_clear_error(capsys):
 
 def _generate(folder: str, **kw):
     from tokenmill import SamplingParams
-    from conftest import random_prompts
 
     llm = LLM(folder, dtype="float32", device="cpu", skip_tokenizer_init=True, kv_cache_memory=8 << 20, **kw)
     try:
@@ -238,13 +237,15 @@ def _generate(folder: str, **kw):
 def _two_rank_checkpoint(tmp_path: Path, method: str) -> str:
     if method == "gptq":
         quantized, _ = _checkpoints(tmp_path, lambda n, w: gptq_layer(w, 4, 64, False, False, False, 0), gptq_config(sym=False))
-    else:
+    elif method == "awq":
         quantized, _ = _checkpoints(tmp_path, lambda n, w: awq_layer(w, 64), awq_config(64))
+    else:  # compressed-tensors W4A16, asymmetric: zero points packed along the output axis
+        quantized, _ = _checkpoints(tmp_path, lambda n, w: ct_w4_layer(w, 64, False), ct_config(w4_args(64, False)))
     return quantized
 
 
 @needs_kernels
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors"])
 def test_two_ranks_compute_what_one_computes(tmp_path, method):
     """Column-parallel layers split by output channel (packed tensors by whole int32s), row-parallel ones
     by input channel in whole groups: the same integers and scales as one rank, so the same tokens."""
@@ -335,3 +336,135 @@ def test_unsupported_awq_variants_are_clear_errors():
         hf_config.quantization_config = config
         with pytest.raises(ValueError, match=f"{message}.*tokenmill loads AWQ 4-bit, GEMM layout"):
             get_quantization_config(None, None, torch.device("cpu"), torch.float32, hf_config)
+
+
+# -- compressed-tensors ---------------------------------------------------------------------------
+
+
+def ct_pack_to_int32(signed: torch.Tensor, bits: int, packed_dim: int = 1) -> torch.Tensor:
+    """compressed-tensors' pack_to_int32: values + 2^(bits-1), 32 / bits to an int32 along packed_dim, value i at bits * i."""
+    unsigned = signed.long() + (1 << (bits - 1))
+    return pack_cols(unsigned, bits) if packed_dim == 1 else pack_rows(unsigned, bits)
+
+
+def ct_w4_layer(w: torch.Tensor, group: int, sym: bool):
+    n, k = w.shape
+    group_len = k if group == -1 else group
+    q, zero, scale = rtn(w, 4, group_len, sym)
+    tensors = {"weight_packed": ct_pack_to_int32(q - 8, 4), "weight_scale": scale, "weight_shape": torch.tensor([n, k])}
+    if not sym:
+        tensors["weight_zero_point"] = ct_pack_to_int32(zero - 8, 4, packed_dim=0)
+    return tensors, dequantize(q, zero, scale, torch.arange(k) // group_len)
+
+
+def ct_w8_layer(w: torch.Tensor, per_tensor: bool):
+    n, k = w.shape
+    if per_tensor:
+        scale = (w.abs().amax() / 127).half().reshape(1)
+        q = torch.round(w / scale.float()).clamp(-127, 127).to(torch.int8)
+        return {"weight": q, "weight_scale": scale}, q.float() * scale.float()
+    q, zero, scale = rtn(w, 8, k, sym=True)
+    signed = (q - zero).to(torch.int8)
+    return {"weight": signed, "weight_scale": scale}, dequantize(q, zero, scale, torch.zeros(k, dtype=torch.long))
+
+
+def ct_config(weights: dict, input_activations: dict | None = None, fmt: str = "pack-quantized", ignore=("lm_head",)) -> dict:
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": input_activations,
+                                      "output_activations": None}},
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+    }
+
+
+def w4_args(group: int, sym: bool) -> dict:
+    strategy = {"strategy": "channel"} if group == -1 else {"strategy": "group", "group_size": group}
+    return {"num_bits": 4, "type": "int", "symmetric": sym, "dynamic": False, "actorder": None, **strategy}
+
+
+W8_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+W8_TOKEN_ACTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+
+
+@needs_kernels
+@pytest.mark.parametrize("group,sym", [(128, True), (32, False), (-1, True)], ids=["g128-sym", "g32-asym", "channel-sym"])
+def test_compressed_tensors_w4a16_computes_its_dequantized_model(tmp_path, group, sym):
+    quantized, reference = _checkpoints(tmp_path, lambda n, w: ct_w4_layer(w, group, sym), ct_config(w4_args(group, sym)))
+    llm = _llm(quantized)
+    assert type(llm.llm_engine.executor.driver_runner.model.model.layers[0].mlp.down_proj.method).__name__ == "CTPackedInt4Method"
+    assert_engine_computes(llm, _llm(reference))
+
+
+@needs_kernels
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["channel", "tensor"])
+def test_compressed_tensors_w8a16_computes_its_dequantized_model(tmp_path, per_tensor):
+    weights = {**W8_WEIGHTS, "strategy": "tensor" if per_tensor else "channel"}
+    quantized, reference = _checkpoints(tmp_path, lambda n, w: ct_w8_layer(w, per_tensor), ct_config(weights, fmt="int-quantized"))
+    assert_engine_computes(_llm(quantized), _llm(reference))
+
+
+@needs_kernels
+def test_compressed_tensors_w8a8_computes_what_w8a8_computes(tmp_path):
+    """Dynamic per-token activations: the reference is `w8a8` on the dequantized model, whose per-channel
+    requantization gives back the checkpoint's integers (every row reaches +-127) and scales. Compared
+    chunking for chunking: rounding activations to int8 turns the float32 difference between the decode
+    and prompt paths into a step now and then (0.1 in a logit here, in the reference alone)."""
+    from conftest import tokenmill_logits
+    from tokenmill import SamplingParams
+    from tokenmill.layers.quantization.w8a8 import W8A8LinearMethod
+
+    quantized, reference = _checkpoints(tmp_path, lambda n, w: ct_w8_layer(w, False), ct_config(W8_WEIGHTS, W8_TOKEN_ACTS, "int-quantized"))
+    llm, ref = _llm(quantized), _llm(reference, quantization="w8a8")
+    assert isinstance(llm.llm_engine.executor.driver_runner.model.model.layers[0].self_attn.qkv_proj.method.compute, W8A8LinearMethod)
+    prompt = random_prompts([40], seed=5)[0]
+    for chunk in (1, 3, 64):
+        torch.testing.assert_close(tokenmill_logits(llm, prompt, chunk), tokenmill_logits(ref, prompt, chunk), atol=2e-4, rtol=2e-4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17, 30], seed=6)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+
+
+@needs_kernels
+def test_compressed_tensors_ignore_list_stays_float(tmp_path):
+    model = _float_model()
+    state = dict(model.state_dict())
+    dequantized = {}
+    for name, linear in _quantized_linears(model).items():
+        if name.endswith("down_proj"):
+            continue
+        del state[f"{name}.weight"]
+        tensors, dequantized[name] = ct_w4_layer(linear.weight.detach(), 64, True)
+        state.update({f"{name}.{suffix}": t for suffix, t in tensors.items()})
+    quantized = _write(tmp_path / "q", model, state, ct_config(w4_args(64, True), ignore=["lm_head", "re:.*down_proj$"]))
+    llm = _llm(quantized)
+    assert type(llm.llm_engine.executor.driver_runner.model.model.layers[1].mlp.down_proj.method).__name__ == "UnquantizedLinearMethod"
+    assert_engine_computes(llm, _llm(_reference(tmp_path / "r", model, dequantized)))
+
+
+@pytest.mark.parametrize("config,message", [
+    (ct_config({**W8_WEIGHTS, "symmetric": False}, fmt="int-quantized"), "asymmetric 8-bit weights"),
+    (ct_config(W8_WEIGHTS, {**W8_TOKEN_ACTS, "symmetric": False}, "int-quantized"), "asymmetric activations"),
+    (ct_config(W8_WEIGHTS, {**W8_TOKEN_ACTS, "dynamic": False, "strategy": "tensor"}, "int-quantized"), "static or per-tensor activation"),
+    (ct_config({**w4_args(128, True), "num_bits": 3}), "int 3-bit weights"),
+    (ct_config({**w4_args(128, True), "actorder": "group"}), "group act-order"),
+    (ct_config({"num_bits": 8, "type": "float", "strategy": "tensor"}, fmt="float-quantized"), "float 8-bit weights"),
+])
+def test_unsupported_compressed_tensors_schemes_are_clear_errors(config, message):
+    from tokenmill.layers.quantization import get_quantization_config
+
+    hf_config = _llama()
+    hf_config.quantization_config = config
+    with pytest.raises(ValueError, match=f"{message}.*tokenmill loads W8A8 .* W8A16 .* W4A16"):
+        get_quantization_config(None, None, torch.device("cpu"), torch.float32, hf_config)
+
+
+def test_compressed_tensors_quantized_lm_head_is_a_clear_error(tmp_path):
+    from tokenmill.errors import ModelLoadError
+
+    quantized, _ = _checkpoints(tmp_path, lambda n, w: ct_w4_layer(w, 64, True), ct_config(w4_args(64, True), ignore=()))
+    with pytest.raises(ModelLoadError, match="quantizes the LM head"):
+        _llm(quantized)

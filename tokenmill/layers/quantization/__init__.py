@@ -18,6 +18,7 @@ import torch
 
 from tokenmill.layers.quantization.awq import AWQConfig
 from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig
+from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from tokenmill.layers.quantization.gptq import GPTQConfig
 from tokenmill.layers.quantization.unquantized import (
     PackedCPUWeight,
@@ -30,12 +31,12 @@ from tokenmill.layers.quantization.w8a8 import W8A8Config
 from tokenmill.layers.quantization.weight_only import WeightOnlyConfig
 
 # The `quantization=` names tokenmill runs, and the options each takes (`quantization_options=`).
-SUPPORTED = {"int8": (), "int4": ("group_size", "symmetric"), "w8a8": (), "gptq": (), "awq": ()}
+SUPPORTED = {"int8": (), "int4": ("group_size", "symmetric"), "w8a8": (), "gptq": (), "awq": (), "compressed-tensors": ()}
 # The methods that load a checkpoint quantized already (by its config.json's quant_method); the
 # others quantize a float checkpoint at load.
-PREQUANTIZED = ("gptq", "awq")
+PREQUANTIZED = ("gptq", "awq", "compressed-tensors")
 # vLLM's names for methods tokenmill does not run yet: refused by name rather than as unknown.
-NOT_YET = ("gguf", "compressed-tensors", "fp8")
+NOT_YET = ("gguf", "fp8")
 
 
 def check_quantization(name: str | None, options: dict[str, Any] | None = None) -> None:
@@ -100,6 +101,8 @@ def get_quantization_config(name: str | None, options: dict[str, Any] | None, de
         return GPTQConfig(quant, device, dtype)
     if name == "awq":
         return AWQConfig(quant, device, dtype)
+    if name == "compressed-tensors":
+        return CompressedTensorsConfig(quant, device, dtype)
     if name == "w8a8":
         return W8A8Config(prepack_lm_head=cpu_packed_weights_supported(device, dtype))
     return WeightOnlyConfig(bits=8 if name == "int8" else 4, **(options or {}))
@@ -107,6 +110,7 @@ def get_quantization_config(name: str | None, options: dict[str, Any] | None, de
 
 __all__ = [
     "AWQConfig",
+    "CompressedTensorsConfig",
     "EmbeddingMethodBase",
     "GPTQConfig",
     "PREQUANTIZED",
