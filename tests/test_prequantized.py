@@ -347,14 +347,23 @@ def ct_pack_to_int32(signed: torch.Tensor, bits: int, packed_dim: int = 1) -> to
     return pack_cols(unsigned, bits) if packed_dim == 1 else pack_rows(unsigned, bits)
 
 
-def ct_w4_layer(w: torch.Tensor, group: int, sym: bool):
+def ct_w4_layer(w: torch.Tensor, group: int, sym: bool, act_order_seed: int | None = None):
+    """llm-compressor's W4A16: weight_packed [N, K / 8], weight_scale [N, G], weight_zero_point [N / 8, G]
+    (asymmetric), weight_shape; with group act-order, weight_g_idx [K] (columns stay in input order)."""
     n, k = w.shape
     group_len = k if group == -1 else group
-    q, zero, scale = rtn(w, 4, group_len, sym)
+    perm = torch.arange(k)
+    if act_order_seed is not None:
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(act_order_seed))
+    q_p, zero, scale = rtn(w[:, perm], 4, group_len, sym)
+    inverse = torch.argsort(perm)
+    q, g_idx = q_p[:, inverse], (torch.arange(k) // group_len)[inverse]
     tensors = {"weight_packed": ct_pack_to_int32(q - 8, 4), "weight_scale": scale, "weight_shape": torch.tensor([n, k])}
     if not sym:
         tensors["weight_zero_point"] = ct_pack_to_int32(zero - 8, 4, packed_dim=0)
-    return tensors, dequantize(q, zero, scale, torch.arange(k) // group_len)
+    if act_order_seed is not None:
+        tensors["weight_g_idx"] = g_idx.to(torch.int32)
+    return tensors, dequantize(q, zero, scale, g_idx)
 
 
 def ct_w8_layer(w: torch.Tensor, per_tensor: bool):
@@ -395,6 +404,15 @@ def test_compressed_tensors_w4a16_computes_its_dequantized_model(tmp_path, group
     quantized, reference = _checkpoints(tmp_path, lambda n, w: ct_w4_layer(w, group, sym), ct_config(w4_args(group, sym)))
     llm = _llm(quantized)
     assert type(llm.llm_engine.executor.driver_runner.model.model.layers[0].mlp.down_proj.method).__name__ == "CTPackedInt4Method"
+    assert_engine_computes(llm, _llm(reference))
+
+
+@needs_kernels
+def test_compressed_tensors_w4a16_group_act_order(tmp_path):
+    weights = {**w4_args(64, False), "actorder": "group"}
+    quantized, reference = _checkpoints(tmp_path, lambda n, w: ct_w4_layer(w, 64, False, _input_seed(n)), ct_config(weights))
+    llm = _llm(quantized)
+    assert llm.llm_engine.executor.driver_runner.model.model.layers[0].self_attn.qkv_proj.input_perm is not None
     assert_engine_computes(llm, _llm(reference))
 
 
@@ -450,7 +468,7 @@ def test_compressed_tensors_ignore_list_stays_float(tmp_path):
     (ct_config(W8_WEIGHTS, {**W8_TOKEN_ACTS, "symmetric": False}, "int-quantized"), "asymmetric activations"),
     (ct_config(W8_WEIGHTS, {**W8_TOKEN_ACTS, "dynamic": False, "strategy": "tensor"}, "int-quantized"), "static or per-tensor activation"),
     (ct_config({**w4_args(128, True), "num_bits": 3}), "int 3-bit weights"),
-    (ct_config({**w4_args(128, True), "actorder": "group"}), "group act-order"),
+    (ct_config({**W8_WEIGHTS, "actorder": "group"}, fmt="int-quantized"), "group act-order without 4-bit groups"),
     (ct_config({"num_bits": 8, "type": "float", "strategy": "tensor"}, fmt="float-quantized"), "float 8-bit weights"),
 ])
 def test_unsupported_compressed_tensors_schemes_are_clear_errors(config, message):

@@ -12,8 +12,9 @@ match it (`Linear`, a name, or `re:<regex>`), unless `ignore` lists it. Schemes 
         stored as q + 8 for q in -8..7, compressed-tensors' `pack_to_int32`), weight_scale [N, G],
         weight_zero_point [N / 8, G] int32 (asymmetric only; packed the same way, along the output
         axis), weight_shape [2]. W = (q - zero) * scale. Onto `int4`.
-Static activation scales, asymmetric activations, float (fp8) and other bit widths, sparse formats
-and group act-order (weight_g_idx) are refused by name. The LM head and the embedding stay float.
+W4A16 with group act-order (`actorder: "group"`) also has weight_g_idx [K], and is reordered at load as
+GPTQ's act-order is. Static activation scales, asymmetric activations, float (fp8) and other bit
+widths and sparse formats are refused by name. The LM head and the embedding stay float.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ from tokenmill.layers.quantization.prequantized import (
     PackedInt4Method,
     PackedInt8Method,
     PrequantizedConfig,
+    check_act_order_unsplit,
     checkpoint_names,
     checkpoint_param,
+    g_idx_param,
+    input_order,
     matches,
     remove_checkpoint_params,
     unpack_int32,
@@ -64,8 +68,8 @@ def _scheme_problems(scheme: dict[str, Any], fmt: str) -> list[str]:
         problems.append(f"4-bit weights by {strategy} in format {fmt!r}")
     elif bits == 4 and strategy == "group" and (not group or int(group) % 32):
         problems.append(f"group_size {group}")
-    if weights.get("actorder") == "group":
-        problems.append("group act-order (weight_g_idx)")
+    if weights.get("actorder") == "group" and (bits != 4 or strategy != "group"):
+        problems.append("group act-order without 4-bit groups")
     if weights.get("dynamic"):
         problems.append("dynamic weights")
     if acts is not None:
@@ -129,7 +133,7 @@ class CompressedTensorsConfig(PrequantizedConfig):
         weights = scheme["weights"]
         if int(weights["num_bits"]) == 4:
             group = int(weights["group_size"]) if weights.get("strategy") == "group" else -1
-            return CTPackedInt4Method(group, not weights.get("symmetric", True))
+            return CTPackedInt4Method(group, not weights.get("symmetric", True), weights.get("actorder") == "group")
         return CTInt8Method(activations=scheme.get("input_activations") is not None)
 
     def embedding_method(self, prefix: str) -> EmbeddingMethodBase:
@@ -192,10 +196,11 @@ class CTInt8Method(LinearMethodBase):
 class CTPackedInt4Method(PackedInt4Method):
     """4-bit weights packed along the input, by group (or channel: group -1), symmetric or not."""
 
-    def __init__(self, group_size: int, asymmetric: bool) -> None:
+    def __init__(self, group_size: int, asymmetric: bool, act_order: bool = False) -> None:
         super().__init__(group_size)
         self.per_channel = group_size == -1
         self.asymmetric = asymmetric
+        self.act_order = act_order  # weight_g_idx: groups in activation order, reordered at load as GPTQ's
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
         if self.per_channel:
@@ -208,6 +213,9 @@ class CTPackedInt4Method(PackedInt4Method):
         layer.weight_scale = checkpoint_param((n, groups), torch.float32, weight_loader, output_dim=0, input_dim=group_dim,
                                               input_pack=self.group_size)
         layer.weight_shape = checkpoint_param((2,), torch.int64, _shape_loader(layer), output_dim=None, input_dim=None)
+        if self.act_order:
+            check_act_order_unsplit(layer, input_size)
+            layer.weight_g_idx = g_idx_param(layer, input_size, weight_loader)
         if self.asymmetric:
             layer.weight_zero_point = checkpoint_param((n // 8, groups), torch.int32, weight_loader, output_dim=0, output_pack=8,
                                                        input_dim=group_dim, input_pack=self.group_size)
@@ -216,5 +224,13 @@ class CTPackedInt4Method(PackedInt4Method):
         q = unpack_int32(layer.weight_packed.data, 4, dim=1)  # [N, K], q + 8
         scale = layer.weight_scale.data
         zeros = unpack_int32(layer.weight_zero_point.data, 4, dim=0) if self.asymmetric else torch.full_like(scale, 8)
-        remove_checkpoint_params(layer, ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"))
-        self.store(layer, q, zeros, scale)
+        perm = None
+        if self.act_order:
+            g_idx = layer.weight_g_idx.data
+            if g_idx[0] < 0:
+                raise ModelLoadError(f"{layer.prefix}: the checkpoint is group act-order but has no weight_g_idx")
+            perm = input_order(g_idx, self.group_size, layer.prefix)
+            if perm is not None:
+                q = q.index_select(1, perm)
+        remove_checkpoint_params(layer, ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"))
+        self.store(layer, q, zeros, scale, perm)

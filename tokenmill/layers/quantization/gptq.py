@@ -31,7 +31,9 @@ from tokenmill.layers.quantization.prequantized import (
     PackedInt4Method,
     PackedInt8Method,
     PrequantizedConfig,
+    check_act_order_unsplit,
     checkpoint_param,
+    g_idx_param,
     input_order,
     remove_checkpoint_params,
     unpack_int32,
@@ -88,10 +90,8 @@ class GPTQLinearMethod(PackedInt4Method):
         self.group_size = input_size if per_channel else config.group_size
         if config.bits == 4:
             self.check_layer(layer, input_size, self.group_size, "GPTQ")
-        split_input = input_size != getattr(layer, "full_input_size", input_size)
-        if config.desc_act and split_input:
-            raise ModelLoadError(f"{layer.prefix}: act-order (desc_act) GPTQ layers cannot split their input over "
-                                 "tensor-parallel ranks (a rank's channels belong to any group); use tensor_parallel_size 1")
+        if config.desc_act:
+            check_act_order_unsplit(layer, input_size)
         n, groups = sum(output_sizes), -(-input_size // self.group_size)
         group_dim = None if per_channel else 0  # per channel: one row of scales every rank keeps whole
         layer.qweight = checkpoint_param((input_size // pack, n), torch.int32, weight_loader, output_dim=1, input_dim=0,
@@ -100,24 +100,7 @@ class GPTQLinearMethod(PackedInt4Method):
                                         input_dim=group_dim, input_pack=self.group_size)
         layer.scales = checkpoint_param((groups, n), torch.float32, weight_loader, output_dim=1, input_dim=group_dim,
                                         input_pack=self.group_size)
-        layer.g_idx = checkpoint_param((input_size,), torch.int32, self._g_idx_loader(layer, weight_loader), output_dim=None,
-                                       input_dim=0)
-        layer.g_idx.data.fill_(-1)  # not loaded yet (older checkpoints have none)
-        layer.g_idx.optional = True
-
-    @staticmethod
-    def _g_idx_loader(layer: nn.Module, weight_loader: WeightLoader) -> WeightLoader:
-        """Every projection of a fused layer brings its g_idx: one input order serves them all only if they agree
-        (they do in GPTQ's act-order: the projections share their input, so their Hessians' orders)."""
-
-        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-            before = param.data.clone()
-            weight_loader(param, loaded, shard_id)
-            if before[0] >= 0 and not torch.equal(before, param.data):
-                raise ModelLoadError(f"{layer.prefix}: the fused projections' g_idx differ; tokenmill needs one input "
-                                     "order per fused layer")
-
-        return load
+        layer.g_idx = g_idx_param(layer, input_size, weight_loader)  # older checkpoints have none
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         config = self.config

@@ -88,6 +88,31 @@ def input_order(g_idx: torch.Tensor, group_size: int, what: str) -> torch.Tensor
     return perm
 
 
+def g_idx_param(layer: nn.Module, input_size: int, weight_loader: WeightLoader) -> nn.Parameter:
+    """An act-order checkpoint's g_idx [K] (input channel k's group), -1 until loaded; optional (a checkpoint
+    without act-order may lack it). Every projection of a fused layer brings its own: one input order
+    serves them all only if they agree (they do as GPTQ writes them: the projections share their input,
+    so their Hessians' orders)."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        before = param.data.clone()
+        weight_loader(param, loaded, shard_id)
+        if before[0] >= 0 and not torch.equal(before, param.data):
+            raise ModelLoadError(f"{layer.prefix}: the fused projections' g_idx differ; tokenmill needs one input "
+                                 "order per fused layer")
+
+    param = checkpoint_param((input_size,), torch.int32, load, output_dim=None, input_dim=0)
+    param.data.fill_(-1)
+    param.optional = True
+    return param
+
+
+def check_act_order_unsplit(layer: nn.Module, input_size: int) -> None:
+    if input_size != getattr(layer, "full_input_size", input_size):
+        raise ModelLoadError(f"{layer.prefix}: act-order layers cannot split their input over tensor-parallel ranks "
+                             "(a rank's channels belong to any group); use tensor_parallel_size 1")
+
+
 class PackedInt4Method(Int4LinearMethod):
     """A 4-bit checkpoint's layer on the `int4` kernels. Subclasses create the checkpoint's
     parameters and call `store` with the unpacked integers after loading."""
