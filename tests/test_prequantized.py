@@ -486,3 +486,31 @@ def test_compressed_tensors_quantized_lm_head_is_a_clear_error(tmp_path):
     quantized, _ = _checkpoints(tmp_path, lambda n, w: ct_w4_layer(w, 64, True), ct_config(w4_args(64, True), ignore=()))
     with pytest.raises(ModelLoadError, match="quantizes the LM head"):
         _llm(quantized)
+
+
+@needs_kernels
+def test_compressed_tensors_w8a8_weights_at_minus_128_are_clamped(caplog):
+    """llm-compressor's symmetric int8 reaches -128; the W8A8 kernel's range is -127..127."""
+    import logging
+
+    from tokenmill.layers.build_context import ModelBuildContext
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.quantization import get_quantization_config
+    from tokenmill.layers.quantization.w8a8 import w8a8_linear_reference
+
+    hf_config = _llama()
+    hf_config.quantization_config = ct_config(W8_WEIGHTS, W8_TOKEN_ACTS, "int-quantized")
+    quant = get_quantization_config(None, None, torch.device("cpu"), torch.float32, hf_config)
+    layer = Linear(64, 32, ctx=ModelBuildContext(quant_config=quant), prefix="model.layers.0.mlp.down_proj")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (32, 64), generator=gen, dtype=torch.int8)
+    q[3, 5] = -128
+    scale = torch.rand(32, 1, generator=gen) / 100
+    layer.weight.weight_loader(layer.weight, q)
+    layer.weight_scale.weight_loader(layer.weight_scale, scale.half())
+    with caplog.at_level(logging.INFO, logger="tokenmill.layers.quantization.compressed_tensors"):
+        layer.method.process_weights_after_loading(layer)
+    assert "1 weights at -128 clamped to -127" in caplog.text
+    x = torch.randn(5, 64, generator=gen)
+    want = w8a8_linear_reference(x, q.clamp(min=-127), scale.half().float().reshape(-1), None)
+    torch.testing.assert_close(layer(x), want, atol=1e-6, rtol=1e-6)
