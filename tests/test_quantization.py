@@ -92,8 +92,8 @@ def test_bad_quantization_settings_are_clear_errors():
 def test_cli_quantization_errors(capsys):
     from tokenmill.entrypoints.cli import main
 
-    assert main(["generate", "hi", "--quantization", "gptq"]) != 0
-    assert "'gptq' is not supported yet; supported: int8, int4" in capsys.readouterr().err
+    assert main(["generate", "hi", "--quantization", "gguf"]) != 0
+    assert "'gguf' is not supported yet; supported: int8, int4" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "hi", "-q", "int4", "--quantization-options", "{not json"])
     assert "not valid JSON" in capsys.readouterr().err

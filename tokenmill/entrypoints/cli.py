@@ -19,7 +19,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument(
         "--quantization", "-q", default=None, metavar="METHOD",
-        help="quantize at load: int8 (W8A16, per channel), int4 (W4A16, group-wise) or w8a8 (int8 weights x int8 activations per token); CPU only",
+        help="quantize at load: int8 (W8A16, per channel), int4 (W4A16, group-wise) or w8a8 (int8 weights x int8 activations per token); "
+        "or a pre-quantized checkpoint's gptq, awq, compressed-tensors (detected from its config.json when not given); CPU only",
     )
     g.add_argument(
         "--quantization-options", type=_json_object, default=None, metavar="JSON",

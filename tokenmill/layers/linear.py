@@ -7,6 +7,14 @@ slice of the output channels (QKV by heads, gate-up by halves) and a row-paralle
 of the input channels, then sums the ranks' partial outputs (one all-reduce). The weight loader
 takes the rank's slice from the full checkpoint tensor, so every method (quantized ones included,
 which quantize after loading) sees only its own shard. With one rank every slice is the whole.
+
+A parameter says where its channels lie: `output_dim` (the axis of output channels; None: every
+output channel shares it) and `input_dim` (the axis of input channels; 1 for a 2-D weight by
+default, None: not split by input). Pre-quantized checkpoints store several channels per element
+along an axis: `output_pack` / `input_pack` channels per element (8 int4 values per int32, or one
+scale per group of 128 input channels), so a slice in channels becomes a slice in elements, and one
+that does not fall on whole elements (a rank's input channels splitting a quantization group) is
+a clear error.
 """
 
 from __future__ import annotations
@@ -109,6 +117,15 @@ class Linear(nn.Module):
     def rank_input_slice(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
         return loaded
 
+    def _packed(self, param: nn.Parameter, channels: int, pack_attr: str, what: str) -> int:
+        """channels as a count of param's elements along its packed axis (pack_attr: its channels per element)."""
+        pack = getattr(param, pack_attr, 1)
+        if channels % pack:
+            raise ModelLoadError(f"{self.prefix or type(self).__name__}: {what} ({channels} channels) do not fall on whole "
+                                 f"elements of {pack} channels (packed values, or quantization groups of {pack}): tensor "
+                                 "parallelism cannot split them there; use a smaller tensor_parallel_size")
+        return channels // pack
+
     def shard_index(self, shard_id: int | str) -> int:
         return int(shard_id)
 
@@ -117,10 +134,14 @@ class Linear(nn.Module):
         what = f"{self.prefix or type(self).__name__}"
         dim = getattr(param, "output_dim", 0)
         loaded = self.rank_input_slice(param, loaded)
+        if dim is None:  # shared by every output channel (GPTQ's g_idx): each shard holds the same
+            copy_checked(param, loaded, what)
+            return
         if shard_id is None and len(self.shards) > 1 and self.tp.size > 1:
             # A fused tensor in the checkpoint (GPT-2's c_attn): split it into its shards, each sliced for this rank.
             start = 0
             for index, full in enumerate(self.full_output_sizes):
+                full = self._packed(param, full, "output_pack", f"shard {index}")
                 self._load_shard(param, loaded.narrow(dim, start, full), index, dim, what)
                 start += full
             return
@@ -131,14 +152,17 @@ class Linear(nn.Module):
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, index: int, dim: int, what: str) -> None:
         shard = self.shards[index]
-        full = self.full_output_sizes[index]
+        name = f"shard {index}" if len(self.shards) > 1 else "the output"
+        full = self._packed(param, self.full_output_sizes[index], "output_pack", name)
         if loaded.shape[dim] != full or loaded.dim() != param.dim():
             expected = list(param.shape)
             expected[dim] = full
             shard = f" shard {index}" if len(self.shards) > 1 else ""
             raise ModelLoadError(f"{what}{shard}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
-        local_start = sum(self.output_sizes[:index])
-        copy_checked(param.data.narrow(dim, local_start, shard.size), loaded.narrow(dim, shard.checkpoint_start, shard.size),
+        local_start = self._packed(param, sum(self.output_sizes[:index]), "output_pack", f"{name}'s offset")
+        start = self._packed(param, shard.checkpoint_start, "output_pack", f"this rank's slice of {name}")
+        size = self._packed(param, shard.size, "output_pack", f"this rank's slice of {name}")
+        copy_checked(param.data.narrow(dim, local_start, size), loaded.narrow(dim, start, size),
                      f"{what} shard {index}" if len(self.shards) > 1 else what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,11 +195,15 @@ class RowParallelLinear(Linear):
         return self.input_slice[1]
 
     def rank_input_slice(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
-        if loaded.dim() < 2 or self.tp.size == 1:  # the bias: every output channel, whole
+        dim = getattr(param, "input_dim", 1 if loaded.dim() >= 2 else None)
+        if dim is None or self.tp.size == 1:  # the bias (every output channel, whole), or a per-channel scale
             return loaded
-        if loaded.shape[1] != self.full_input_size:
-            raise ModelLoadError(f"{self.prefix}: checkpoint tensor has {loaded.shape[1]} input channels, expected {self.full_input_size}")
-        return loaded.narrow(1, *self.input_slice)
+        full = self._packed(param, self.full_input_size, "input_pack", "the input")
+        if loaded.shape[dim] != full:
+            raise ModelLoadError(f"{self.prefix}: checkpoint tensor has {loaded.shape[dim]} input elements, expected {full}")
+        first, count = self.input_slice
+        what = f"this rank's input channels [{first}, {first + count})"
+        return loaded.narrow(dim, self._packed(param, first, "input_pack", what), self._packed(param, count, "input_pack", what))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

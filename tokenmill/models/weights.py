@@ -46,7 +46,8 @@ def load_named_weights(
         except ModelLoadError as exc:
             raise ModelLoadError(f"cannot load {name}: {exc}") from None
         loaded.add(target)
-    missing = sorted(set(params) - loaded)
+    # An optional parameter (GPTQ's g_idx, which older checkpoints lack) may stay as created.
+    missing = sorted(name for name in set(params) - loaded if not getattr(params[name], "optional", False))
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ModelLoadError(f"the checkpoint lacks {len(missing)} weights the model needs: {shown}")

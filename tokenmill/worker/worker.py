@@ -55,7 +55,8 @@ class Worker:
         if source is None:
             source = load_model_source(ModelConfig(**{**vars(config.model), "skip_tokenizer_init": True}))
         followers = Followers(self.comm) if self.comm.size > 1 and self.comm.is_driver else None
-        quant = get_quantization_config(config.model.quantization, config.model.quantization_options, spec.device, spec.dtype)
+        quant = get_quantization_config(config.model.quantization, config.model.quantization_options, spec.device, spec.dtype,
+                                        source.hf_config)
         model = build_model(source, spec.device, spec.dtype, spec.max_model_len, quant, self.comm)
         self.runner = ModelRunner(model, spec.device, spec.dtype, config.cache.block_size, followers, "target",
                                   config.cache.kv_cache_dtype)
@@ -91,7 +92,8 @@ class Worker:
             if draft_max < spec.max_model_len:
                 raise ValueError(f"the draft model's context ({draft_max} tokens) is shorter than max_model_len ({spec.max_model_len}); "
                                  "lower max_model_len")
-        quant = get_quantization_config(draft.quantization, draft.quantization_options, spec.device, spec.dtype)
+        quant = get_quantization_config(draft.quantization, draft.quantization_options, spec.device, spec.dtype,
+                                        draft_source.hf_config)
         model = build_model(draft_source, spec.device, spec.dtype, spec.max_model_len, quant, self.comm)
         return DraftModelProposer(ModelRunner(model, spec.device, spec.dtype, spec.config.cache.block_size, followers, "draft",
                                                    spec.config.cache.kv_cache_dtype))

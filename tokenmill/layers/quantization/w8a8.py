@@ -65,19 +65,23 @@ def w8a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch
     return y.to(x.dtype)
 
 
+def store_w8a8(layer: nn.Module, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+    """The layer's int8 weight [N, K] (-127..127) and per-channel scale [N], as the GEMM reads them."""
+    layer.register_buffer("weight_scale", scale.float().contiguous(), persistent=False)
+    if qweight.device.type == "cpu" and cpu_kernels.cpu_kernels_available():
+        packed, colsum = cpu_kernels.w8a8_pack(qweight.contiguous())
+        layer.register_buffer("packed_weight", packed, persistent=False)
+        layer.register_buffer("weight_colsum", colsum, persistent=False)
+    else:  # no C++ kernels here: the PyTorch path reads the plain int8 weight
+        layer.register_buffer("qweight", qweight.contiguous(), persistent=False)
+
+
 class W8A8LinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
         layer.weight = float_weight_to_quantize((sum(output_sizes), input_size), weight_loader)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        qweight, scale = quant_utils.quantize_int8(layer.weight.data)
-        layer.register_buffer("weight_scale", scale, persistent=False)
-        if qweight.device.type == "cpu" and cpu_kernels.cpu_kernels_available():
-            packed, colsum = cpu_kernels.w8a8_pack(qweight)
-            layer.register_buffer("packed_weight", packed, persistent=False)
-            layer.register_buffer("weight_colsum", colsum, persistent=False)
-        else:  # no C++ kernels here: the PyTorch path reads the plain int8 weight
-            layer.register_buffer("qweight", qweight, persistent=False)
+        store_w8a8(layer, *quant_utils.quantize_int8(layer.weight.data))
         free_parameter(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
