@@ -420,8 +420,10 @@ def run_rounds(server: RemoteServer, rounds: int, clients: int) -> list[int]:
     return rss
 
 
-@pytest.mark.xfail(reason="known gap (issue 10 stays open): the server's native memory grows about 70-90 KB per request "
-                          "(Python heap flat, offline LLM levels off); not yet found", strict=False)
+@pytest.mark.slow  # a known gap: 100 s of the default run for an expected failure
+@pytest.mark.xfail(reason="known gap (issue 10 stays open): the server's native memory grows about 50-90 KB per request "
+                          "(all in the engine thread's malloc heap; Python heap flat, offline LLM levels off); not yet found",
+                   strict=False)
 def test_memory_is_stable_round_over_round(server):
     """Every KV block written once, a warm-up round, then more rounds of 200 streaming clients: each leaves the
     KV pool all free and nothing running or waiting, and the server's RSS grows less than 30 MB from round 2
