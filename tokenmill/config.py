@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.layers.kv_quant import KV_CACHE_DTYPES
+from tokenmill.layers.kv_quant import check_kv_cache_dtype
 from tokenmill.layers.quantization import check_quantization
 
 _DTYPES = {
@@ -110,8 +110,7 @@ class CacheConfig:
             raise ValueError(f"memory_share must be in (0, 1], got {self.memory_share}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be at least 2 (block 0 is reserved), got {self.num_kv_blocks}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; supported: {', '.join(KV_CACHE_DTYPES)}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.layers.quantization import quant_utils
 from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
 from tokenmill.layers.quantization.unquantized import UnquantizedConfig
-from tokenmill.layers.quantization.weight_only import Int4LinearMethod, _int8_linear
+from tokenmill.layers.quantization.weight_only import Int4LinearMethod, int8_linear
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class PackedInt8Method(LinearMethodBase):
         layer.register_buffer("weight_scale", scale.float().reshape(-1).contiguous(), persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _int8_linear(layer, x, bias)
+        return int8_linear(layer, x, bias)
 
 
 def matches(name: str, patterns: Iterable[str]) -> bool:

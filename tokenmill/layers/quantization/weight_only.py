@@ -61,7 +61,7 @@ def _quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel: Callab
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def _int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     def dequantized(dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
         if with_kernels:
             return cpu_kernels.int8_dequantize(layer.qweight, layer.weight_scale, dtype)
@@ -80,7 +80,7 @@ class Int8LinearMethod(LinearMethodBase):
         free_parameter(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _int8_linear(layer, x, bias)
+        return int8_linear(layer, x, bias)
 
 
 class Int4LinearMethod(LinearMethodBase):
@@ -110,7 +110,7 @@ class Int4LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.as_int8:
-            return _int8_linear(layer, x, bias)
+            return int8_linear(layer, x, bias)
         quantized = (layer.qweight, layer.weight_scale, layer.weight_min, self.group_size)
 
         def dequantized(dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
@@ -133,7 +133,7 @@ class Int8LMHeadMethod(UnquantizedEmbeddingMethod):
         _store_int8(layer)
 
     def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        return _int8_linear(layer, hidden, None)
+        return int8_linear(layer, hidden, None)
 
 
 @dataclass
