@@ -196,7 +196,10 @@ def test_offline_replica_killed_fails_the_batch_at_once(tiny_path):
     try:
         prompts = [{"prompt_token_ids": p} for p in random_prompts([10] * 8, seed=5)]
         long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        ids = engine.add_requests(prompts, [long] * len(prompts))
+        # Streamed requests: step() returns at the first tokens, long before any request ends (with
+        # final-only outputs, the first step() would wait for a whole replica's batch to finish).
+        ids = [engine.add_request(p, long) for p in prompts]
+        assert set(engine._owner.values()) == {0, 1}
         engine.step()  # both replicas are running
         os.kill(engine.pool.pid(1), signal.SIGKILL)
         start = time.monotonic()
