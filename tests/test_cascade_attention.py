@@ -1,0 +1,142 @@
+"""Cascade attention for decodes over a shared prefix (cpu/prefill_attention.cpp's cascade_prefix_attention,
+merged in cpu/paged_attention.cpp's decode kernel) against plain PyTorch, the batch builder's detection of
+the shared prefix, and greedy equality end to end with cascade on and off.
+
+The kernel tests are named `*cascade_kernel*`: tests/test_kernel_isa.py runs them on the AVX2, AVX-512 and
+scalar builds too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.kernels import cpu
+from tokenmill.layers.kv_quant import quantize
+
+kernels = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="CPU kernels did not build")
+
+# float32: sums in another order and the merge's two exponentials; bf16 / fp16: the output's own rounding
+# (the kernel accumulates in float32 from the same rounded inputs as the float32 reference).
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def make_case(positions, shared_blocks, num_kv_heads, group, head_dim, dtype, block=16, seed=0):
+    """Random caches; every request's table starts with the same `shared_blocks` physical blocks, then
+    blocks of its own up to its position; q holds one decode token per request, in a shuffled order
+    among spare rows (as decode rows of a mixed step)."""
+    g = torch.Generator().manual_seed(seed)
+    own = [-(-(p + 1) // block) - shared_blocks for p in positions]
+    num_blocks = 1 + shared_blocks + sum(own) + 3
+    k_cache = torch.randn(num_kv_heads, num_blocks, block, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_kv_heads, num_blocks, block, head_dim, generator=g).to(dtype)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    shared = [perm.pop() for _ in range(shared_blocks)]
+    tables = [shared + [perm.pop() for _ in range(n)] for n in own]
+    width = max(map(len, tables)) + 1
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    num_rows = len(positions) + 3
+    q = torch.randn(num_rows, num_kv_heads * group, head_dim, generator=g).to(dtype)
+    token_rows = torch.randperm(num_rows, generator=g)[: len(positions)]
+    return q, k_cache, v_cache, block_table, token_rows, torch.tensor(positions), torch.tensor(shared)
+
+
+def reference(q, k_cache, v_cache, block_table, token_rows, positions, scale):
+    """Each decode token over its whole gathered context, float32."""
+    num_kv_heads, _, block, head_dim = k_cache.shape
+    out = torch.zeros(len(token_rows), q.shape[1], head_dim)
+    for b, (row, pos) in enumerate(zip(token_rows.tolist(), positions.tolist())):
+        ctx = pos + 1
+        blocks = block_table[b, : -(-ctx // block)]
+        k = k_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :ctx].float()
+        v = v_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :ctx].float()
+        qh = q[row].float().view(num_kv_heads, -1, head_dim)
+        p = torch.softmax(qh @ k.transpose(1, 2) * scale, dim=-1)
+        out[b] = (p @ v).reshape(-1, head_dim)
+    return out
+
+
+def run_cascade(q, k_cache, v_cache, block_table, token_rows, positions, shared, prefix_len, scale, scales=(None, None), rows_per_task=0):
+    out = torch.full_like(q, 7.0)
+    o, lse = cpu.cascade_prefix_attention(q, k_cache, v_cache, token_rows, shared, prefix_len, scale, *scales, rows_per_task)
+    cpu.paged_decode_attention(out, q, k_cache, v_cache, token_rows, block_table, positions, None, scale, *scales, prefix=(prefix_len, o, lse))
+    return out, o, lse
+
+
+POSITIONS = [40, 33, 95, 32, 64, 47, 200, 51, 36]  # all after a 2-block (32-token) shared prefix; 64: a suffix on a block edge
+
+
+@kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cascade_kernel_matches_reference(dtype, group, head_dim):
+    q, kc, vc, table, rows, pos, shared = make_case(POSITIONS, 2, 2, group, head_dim, dtype, seed=group * 100 + head_dim)
+    scale = head_dim**-0.5
+    got, _, _ = run_cascade(q, kc, vc, table, rows, pos, shared, 32, scale)
+    want = reference(q, kc, vc, table, rows, pos, scale)
+    torch.testing.assert_close(got[rows].float(), want.to(dtype).float(), **TOL[dtype])
+    spare = torch.ones(q.shape[0], dtype=torch.bool)
+    spare[rows] = False
+    assert (got[spare] == 7).all()  # rows that are no decode token are untouched
+
+
+@kernels
+@pytest.mark.parametrize("prefix_len", [1, 17, 32])  # inside the first block, mid-block, the shared blocks' end
+@pytest.mark.parametrize("head_dim", [4, 24, 40, 64])  # scalar everywhere; AVX2-only vectors; neither width; both
+def test_cascade_kernel_prefix_lengths_and_head_sizes(prefix_len, head_dim):
+    q, kc, vc, table, rows, pos, shared = make_case(POSITIONS, 2, 2, 3, head_dim, torch.float32, seed=prefix_len + head_dim)
+    got, o, lse = run_cascade(q, kc, vc, table, rows, pos, shared, prefix_len, 0.3)
+    torch.testing.assert_close(got[rows], reference(q, kc, vc, table, rows, pos, 0.3), **TOL[torch.float32])
+    # The prefix pass alone: attention over positions 0 .. prefix_len - 1 and its log-sum-exp.
+    k = kc[:, shared].reshape(2, -1, head_dim)[:, :prefix_len]
+    v = vc[:, shared].reshape(2, -1, head_dim)[:, :prefix_len]
+    s = torch.einsum("bhgd,hkd->bhgk", q[rows].view(len(rows), 2, 3, head_dim), k) * 0.3
+    torch.testing.assert_close(lse, s.logsumexp(-1).reshape(len(rows), 6), **TOL[torch.float32])
+    torch.testing.assert_close(o, torch.einsum("bhgk,hkd->bhgd", s.softmax(-1), v).reshape(len(rows), 6, head_dim), **TOL[torch.float32])
+
+
+@kernels
+@pytest.mark.parametrize("rows_per_task", [1, 5, 64, 1000])  # one request per task up to all of them
+@pytest.mark.parametrize("block", [1, 8, 32])
+def test_cascade_kernel_tiling_and_block_sizes(rows_per_task, block):
+    positions = [p + 64 for p in POSITIONS] * 3
+    q, kc, vc, table, rows, pos, shared = make_case(positions, 64 // block, 1, 3, 64, torch.float32, block=block, seed=block)
+    got, _, _ = run_cascade(q, kc, vc, table, rows, pos, shared, 64, 0.125, rows_per_task=rows_per_task)
+    torch.testing.assert_close(got[rows], reference(q, kc, vc, table, rows, pos, 0.125), **TOL[torch.float32])
+
+
+@kernels
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_kernel_quantized_cache_matches_plain_decode(kv_dtype, dtype):
+    """Over an int8 / fp8 cache, cascade gives what the plain decode kernel gives on the same cache."""
+    q, kc, vc, table, rows, pos, shared = make_case(POSITIONS, 2, 2, 3, 64, dtype, seed=7)
+    caches, scales = [], []
+    for cache in (kc, vc):
+        scale = torch.ones(1) if kv_dtype != torch.int8 else None
+        values, row_scales = quantize(cache.reshape(-1, 64), kv_dtype, scale)
+        caches.append(values.view(cache.shape))
+        scales.append(row_scales.view(cache.shape[:3]) if kv_dtype == torch.int8 else scale)
+    got, _, _ = run_cascade(q, *caches, table, rows, pos, shared, 32, 0.125, tuple(scales))
+    want = torch.full_like(q, 7.0)
+    cpu.paged_decode_attention(want, q, *caches, rows, table, pos, None, 0.125, *scales)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@kernels
+def test_cascade_kernel_bad_input_is_refused():
+    q, kc, vc, table, rows, pos, shared = make_case(POSITIONS, 2, 1, 1, 64, torch.float32)
+    o, lse = cpu.cascade_prefix_attention(q, kc, vc, rows, shared, 32, 0.125)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="must come after the shared prefix"):
+        cpu.paged_decode_attention(out, q, kc, vc, rows, table, pos - 20, None, 0.125, prefix=(32, o, lse))
+    with pytest.raises(RuntimeError, match="sliding window"):
+        cpu.paged_decode_attention(out, q, kc, vc, rows, table, pos, 16, 0.125, prefix=(32, o, lse))
+    with pytest.raises(RuntimeError, match="prefix_o"):
+        cpu.paged_decode_attention(out, q, kc, vc, rows, table, pos, None, 0.125, prefix=(32, o[:1], lse))
+    with pytest.raises(RuntimeError, match="prefix_len must be"):
+        cpu.cascade_prefix_attention(q, kc, vc, rows, shared, 33, 0.125)
+    with pytest.raises(RuntimeError, match="block out of range"):
+        cpu.cascade_prefix_attention(q, kc, vc, rows, shared + 1000, 32, 0.125)
