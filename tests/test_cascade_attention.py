@@ -140,3 +140,61 @@ def test_cascade_kernel_bad_input_is_refused():
         cpu.cascade_prefix_attention(q, kc, vc, rows, shared, 33, 0.125)
     with pytest.raises(RuntimeError, match="block out of range"):
         cpu.cascade_prefix_attention(q, kc, vc, rows, shared + 1000, 32, 0.125)
+
+
+# -- the batch builder's detection -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rows, positions, want",
+    [
+        ([[5, 6, 7, 8, 9]] * 8, [70] * 8, 4),  # all alike: whole blocks before the least position (70 // 16 = 4)
+        ([[5, 6, 7, 8, 9]] * 7 + [[5, 6, 3, 8, 9]], [70] * 8, 2),  # one row differs from the third block on
+        ([[5, 6, 7, 8, 9]] * 7 + [[4, 6, 7, 8, 9]], [70] * 8, 0),  # the first blocks differ: nothing shared
+        ([[5, 6, 7, 8, 9]] * 7, [70] * 7, 0),  # too few rows
+        ([[5, 6, 7, 8, 9]] * 8, [70] * 7 + [40], 2),  # a row at position 40: only blocks 0, 1 lie before it
+        ([[5, 6, 7, 8, 9]] * 8, [70] * 7 + [31], 0),  # ... and a row at 31: one block, under the minimum
+    ],
+)
+def test_shared_prefix_blocks(rows, positions, want, monkeypatch):
+    from tokenmill.worker import batch
+
+    monkeypatch.setattr(batch, "CASCADE_MIN_PREFIX_TOKENS", 32)
+    assert batch.shared_prefix_blocks(np.array(rows), np.array(positions), 16) == want
+
+
+# -- end to end on tiny models -----------------------------------------------------------------------
+
+
+def _greedy(path, prompts, dtype, **engine_args):
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model=path, dtype=dtype, enable_prefix_caching=True, num_kv_blocks=256, block_size=8, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@kernels
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_swa"])  # mistral_swa: a sliding window, which keeps the plain path
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_greedy_equal_with_cascade_on_and_off(name, kv_cache_dtype, tiny_model_factory, monkeypatch):
+    """A batch sharing a long prefix decodes to the same tokens with cascade attention as without it."""
+    import random
+
+    from tokenmill.worker import batch
+
+    monkeypatch.setattr(batch, "CASCADE_MIN_PREFIX_TOKENS", 32)  # the tiny models' short contexts take it too
+    path = tiny_model_factory(name)
+    rng = random.Random(3)
+    prefix = [rng.randrange(500) for _ in range(61)]
+    prompts = [prefix + [rng.randrange(500) for _ in range(n)] for n in (1, 4, 9, 16, 23, 30, 2, 7, 40)]
+    calls = []
+    kernel = cpu.cascade_prefix_attention
+    monkeypatch.setattr(cpu, "cascade_prefix_attention", lambda *a, **k: calls.append(a[5]) or kernel(*a, **k))
+    got = _greedy(path, prompts, "float32", kv_cache_dtype=kv_cache_dtype)
+    assert (len(calls) > 0) == (name == "llama_gqa") and all(n == 56 for n in calls)  # 7 whole shared blocks of 8
+    calls.clear()
+    want = _greedy(path, prompts, "float32", kv_cache_dtype=kv_cache_dtype, cascade_attention=False)
+    assert not calls
+    assert got == want
