@@ -313,30 +313,6 @@ void decode_kernel(
   });
 }
 
-// f(static_cast<T*>(nullptr)) for the element type T of a quantized KV cache: int8, fp8 e4m3fn or e5m2.
-template <typename F>
-void dispatch_quantized_cache(at::ScalarType type, const char* op, F&& f) {
-  switch (type) {
-    case at::kChar: f(static_cast<int8_t*>(nullptr)); break;
-    case at::kFloat8_e4m3fn: f(static_cast<c10::Float8_e4m3fn*>(nullptr)); break;
-    case at::kFloat8_e5m2: f(static_cast<c10::Float8_e5m2*>(nullptr)); break;
-    default: TORCH_CHECK(false, op, ": a quantized KV cache must be int8, float8_e4m3fn or float8_e5m2");
-  }
-}
-
-// Checks a quantized cache's scales: int8's [Hkv, NB, BS] float32 (stride 1 per row), fp8's one float32 (stride 0).
-int64_t check_scales(const at::Tensor& cache, const at::Tensor& k_scale, const at::Tensor& v_scale, const char* op) {
-  for (const auto* s : {&k_scale, &v_scale})
-    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous(), op, ": KV scales must be contiguous float32");
-  if (cache.scalar_type() == at::kChar) {
-    TORCH_CHECK(k_scale.dim() == 3 && k_scale.sizes() == cache.sizes().slice(0, 3) && v_scale.sizes() == k_scale.sizes(), op,
-                ": int8 KV scales must be [Hkv, blocks, block_size], as the cache's first three dims");
-    return 1;
-  }
-  TORCH_CHECK(k_scale.numel() == 1 && v_scale.numel() == 1, op, ": fp8 KV scales must hold one value each (per tensor)");
-  return 0;
-}
-
 // out[token_rows] = attention of q[token_rows] over each request's paged context; other rows untouched.
 // k_scale / v_scale: given with a quantized (int8 / fp8) cache, absent with a cache in q's dtype.
 void paged_decode_attention(
@@ -372,7 +348,7 @@ void paged_decode_attention(
       TORCH_CHECK(pos_of[b] >= prefix_len, "paged_decode_attention: every decode token must come after the shared prefix");
   }
   static const float kOne = 1.f;
-  const int64_t scale_stride = quantized ? check_scales(k_cache, *k_scale, *v_scale, "paged_decode_attention") : 0;
+  const int64_t scale_stride = quantized ? tokenmill_cpu::check_kv_scales(k_cache, *k_scale, *v_scale, "paged_decode_attention") : 0;
   const float* ks = quantized ? k_scale->data_ptr<float>() : &kOne;
   const float* vs = quantized ? v_scale->data_ptr<float>() : &kOne;
   tokenmill_cpu::dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto* type_tag) {
@@ -386,7 +362,7 @@ void paged_decode_attention(
           prefix_len > 0 ? prefix_o->data_ptr<float>() : nullptr, prefix_len > 0 ? prefix_lse->data_ptr<float>() : nullptr);
     };
     if (quantized)
-      dispatch_quantized_cache(k_cache.scalar_type(), "paged_decode_attention", run);
+      tokenmill_cpu::dispatch_quantized_cache(k_cache.scalar_type(), "paged_decode_attention", run);
     else
       run(static_cast<scalar_t*>(nullptr));
   });
@@ -474,7 +450,7 @@ void write_kv_quantized(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_sca
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "caches must be contiguous [Hkv, blocks, block_size, D] of one dtype");
-  const int64_t scale_stride = check_scales(k_cache, k_scale, v_scale, "write_kv_quantized");
+  const int64_t scale_stride = tokenmill_cpu::check_kv_scales(k_cache, k_scale, v_scale, "write_kv_quantized");
   const int64_t Hkv = k_cache.size(0), slots = k_cache.size(1) * k_cache.size(2), D = k_cache.size(3);
   for (const auto* x : {&k, &v})
     TORCH_CHECK(x->dim() == 3 && x->size(1) == Hkv && x->size(2) == D && x->stride(2) == 1 && x->stride(1) == D &&
@@ -490,7 +466,7 @@ void write_kv_quantized(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_sca
     using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
     const scalar_t* news[2] = {k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>()};
     const int64_t strides[2] = {k.stride(0), v.stride(0)};
-    dispatch_quantized_cache(k_cache.scalar_type(), "write_kv_quantized", [&](auto* cache_tag) {
+    tokenmill_cpu::dispatch_quantized_cache(k_cache.scalar_type(), "write_kv_quantized", [&](auto* cache_tag) {
       using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
       cache_t* caches[2] = {k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>()};
       at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {

@@ -264,6 +264,56 @@ inline void softmax_tile(float* s, int64_t n, int64_t R, float* m, float* l, flo
   }
 }
 
+// Whether the vector paths run for head size D, and the lanes the query rows are padded to.
+inline bool vector_rows(int64_t D, int64_t& lanes) {
+#if TOKENMILL_SIMD
+  lanes = D % W == 0 ? W : 1;
+  return D % W == 0;
+#else
+  lanes = 1;
+  return false;
+#endif
+}
+
+// One thread's flash-attention state for up to R_max query rows: Q^T, the online softmax's m and l,
+// the output accumulator, and the packed K / V tile with its row pointers. A task fills qt, resets,
+// packs each tile's rows into kpack / vpack (widened to float32; krows / vrows point at
+// the packed rows) and calls step per tile; o / l is then each row's output.
+struct FlashTile {
+  std::vector<float> qt, s, o, m, l, alpha, kpack, vpack;
+  std::vector<const float*> krows, vrows, shifted;
+  bool vec;
+  FlashTile(int64_t R_max, int64_t D, bool vec)
+      : qt(D * R_max), s(kKeyTile * R_max), o(R_max * D), m(R_max), l(R_max), alpha(R_max), kpack(kKeyTile * D),
+        vpack(kKeyTile * D), krows(kKeyTile), vrows(kKeyTile), shifted(kKeyTile), vec(vec) {
+    for (int64_t k = 0; k < kKeyTile; ++k) {
+      krows[k] = kpack.data() + k * D;
+      vrows[k] = vpack.data() + k * D;
+    }
+  }
+  void reset(int64_t R, int64_t D) {
+    std::fill(m.begin(), m.begin() + R, -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.begin() + R, 0.f);
+    std::fill(o.begin(), o.begin() + R * D, 0.f);
+  }
+  // S^T for the tile's n keys, then (after mask(s), when given) the softmax step and O += P^T V.
+  template <typename Mask>
+  void step(int64_t n, int64_t R, int64_t D, Mask&& mask) {
+#if TOKENMILL_SIMD
+    if (vec) s_tile(krows.data(), n, qt.data(), R, D, s.data());
+    else
+#endif
+      s_tile_scalar(krows.data(), n, qt.data(), R, D, s.data());
+    mask(s.data());
+    softmax_tile(s.data(), n, R, m.data(), l.data(), alpha.data(), vec);
+#if TOKENMILL_SIMD
+    if (vec) o_tile(s.data(), R, vrows.data(), n, alpha.data(), o.data(), D, shifted.data());
+    else
+#endif
+      o_tile_scalar(s.data(), R, vrows.data(), n, alpha.data(), o.data(), D);
+  }
+};
+
 struct Task {
   int64_t b, h, i0, rows;  // request, KV head, first query offset in the chunk, query positions
 };
@@ -280,12 +330,8 @@ void prefill_kernel(
     scalar_t* out,                        // [*, Hkv * G, D] contiguous
     int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, int64_t MB,
     int64_t window, float scale, int64_t rows_per_task) {
-  bool vec = false;
   int64_t lanes = 1;
-#if TOKENMILL_SIMD
-  vec = D % W == 0;
-  lanes = vec ? W : 1;
-#endif
+  const bool vec = vector_rows(D, lanes);
   const int64_t M = std::max<int64_t>(1, rows_per_task / G);  // query positions per task
   std::vector<Task> tasks;
   for (int64_t b = 0; b < B; ++b)
@@ -299,9 +345,9 @@ void prefill_kernel(
   const int64_t R_max = (M * G + lanes - 1) / lanes * lanes;
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-    std::vector<float> qt(D * R_max), s(kKeyTile * R_max), o(R_max * D), m(R_max), l(R_max), alpha(R_max), qpos(R_max);
-    std::vector<float> kpack(kKeyTile * D), vpack(kKeyTile * D);
-    std::vector<const float*> krows(kKeyTile), vrows(kKeyTile), shifted(kKeyTile);
+    FlashTile tile(R_max, D, vec);
+    std::vector<float>& qt = tile.qt;
+    std::vector<float> qpos(R_max);
     for (int64_t t; (t = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
       const Task task = tasks[t];
       const int64_t R0 = task.rows * G, R = (R0 + lanes - 1) / lanes * lanes;
@@ -314,9 +360,7 @@ void prefill_kernel(
           for (int64_t d = 0; d < D; ++d) qt[d * R + i * G + g] = static_cast<float>(qrow[g * D + d]) * scale;
       }
       for (int64_t r = 0; r < R; ++r) qpos[r] = static_cast<float>(r < R0 ? p_min + r / G : p_max);
-      std::fill(m.begin(), m.begin() + R, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + R, 0.f);
-      std::fill(o.begin(), o.begin() + R * D, 0.f);
+      tile.reset(R, D);
 
       const scalar_t* k_head = k_cache + task.h * NB * BS * D;
       const scalar_t* v_head = v_cache + task.h * NB * BS * D;
@@ -327,8 +371,8 @@ void prefill_kernel(
         for (int64_t k = 0; k < n; ++k) {
           const int64_t pos = k0 + k;
           const int64_t row = blocks[pos / BS] * BS + pos % BS;
-          float* kp = kpack.data() + k * D;
-          float* vp = vpack.data() + k * D;
+          float* kp = tile.kpack.data() + k * D;
+          float* vp = tile.vpack.data() + k * D;
           const scalar_t* ks = k_head + row * D;
           const scalar_t* vs = v_head + row * D;
           int64_t d = 0;
@@ -342,29 +386,18 @@ void prefill_kernel(
             kp[d] = static_cast<float>(ks[d]);
             vp[d] = static_cast<float>(vs[d]);
           }
-          krows[k] = kp;
-          vrows[k] = vp;
         }
-#if TOKENMILL_SIMD
-        if (vec) s_tile(krows.data(), n, qt.data(), R, D, s.data());
-        else
-#endif
-          s_tile_scalar(krows.data(), n, qt.data(), R, D, s.data());
-        // Only tiles that reach past the first row's position or before the last row's window need a mask.
-        if (k0 + n - 1 > p_min || (window > 0 && k0 <= p_max - window)) mask_tile(s.data(), n, R, k0, qpos.data(), window, vec);
-        softmax_tile(s.data(), n, R, m.data(), l.data(), alpha.data(), vec);
-#if TOKENMILL_SIMD
-        if (vec) o_tile(s.data(), R, vrows.data(), n, alpha.data(), o.data(), D, shifted.data());
-        else
-#endif
-          o_tile_scalar(s.data(), R, vrows.data(), n, alpha.data(), o.data(), D);
+        tile.step(n, R, D, [&](float* s) {
+          // Only tiles that reach past the first row's position or before the last row's window need a mask.
+          if (k0 + n - 1 > p_min || (window > 0 && k0 <= p_max - window)) mask_tile(s, n, R, k0, qpos.data(), window, vec);
+        });
       }
       for (int64_t i = 0; i < task.rows; ++i) {
         scalar_t* orow = out + ((first_rows[task.b] + task.i0 + i) * Hkv + task.h) * G * D;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * G + g;
-          const float inv = 1.f / l[r];
-          const float* src = o.data() + r * D;
+          const float inv = 1.f / tile.l[r];
+          const float* src = tile.o.data() + r * D;
           int64_t d = 0;
 #if TOKENMILL_SIMD
           if (vec) {
@@ -448,12 +481,8 @@ void cascade_prefix_kernel(
     float* o_out,                 // [B, Hkv * G, D]
     float* lse_out,               // [B, Hkv * G]
     int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, int64_t P, float scale, int64_t rows_per_task) {
-  bool vec = false;
   int64_t lanes = 1;
-#if TOKENMILL_SIMD
-  vec = D % W == 0;
-  lanes = vec ? W : 1;
-#endif
+  const bool vec = vector_rows(D, lanes);
   // Requests per task: up to rows_per_task rows, but at least two tasks per thread when the batch allows.
   const int64_t threads = at::get_num_threads();
   const int64_t tiles_wanted = std::max<int64_t>(1, (2 * threads + Hkv - 1) / Hkv);
@@ -462,9 +491,8 @@ void cascade_prefix_kernel(
   const int64_t R_max = (M * G + lanes - 1) / lanes * lanes;
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(threads, num_tasks), 1, [&](int64_t, int64_t) {
-    std::vector<float> qt(D * R_max), s(kKeyTile * R_max), o(R_max * D), m(R_max), l(R_max), alpha(R_max);
-    std::vector<float> kpack(kKeyTile * D), vpack(kKeyTile * D);
-    std::vector<const float*> krows(kKeyTile), vrows(kKeyTile), shifted(kKeyTile);
+    FlashTile tile(R_max, D, vec);
+    std::vector<float>& qt = tile.qt;
     for (int64_t t; (t = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
       const int64_t h = t % Hkv, b0 = (t / Hkv) * M, nb = std::min(M, B - b0);
       const int64_t R0 = nb * G, R = (R0 + lanes - 1) / lanes * lanes;
@@ -474,9 +502,7 @@ void cascade_prefix_kernel(
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < D; ++d) qt[d * R + i * G + g] = static_cast<float>(qrow[g * D + d]) * scale;
       }
-      std::fill(m.begin(), m.begin() + R, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + R, 0.f);
-      std::fill(o.begin(), o.begin() + R * D, 0.f);
+      tile.reset(R, D);
       const cache_t* k_head = k_cache + h * NB * BS * D;
       const cache_t* v_head = v_cache + h * NB * BS * D;
       const float* ks = k_scale + scale_stride * h * NB * BS;
@@ -485,29 +511,17 @@ void cascade_prefix_kernel(
         const int64_t n = std::min(kKeyTile, P - k0);
         for (int64_t k = 0; k < n; ++k) {
           const int64_t pos = k0 + k, row = prefix_blocks[pos / BS] * BS + pos % BS;
-          pack_row(k_head + row * D, ks[row * scale_stride], D, kpack.data() + k * D);
-          pack_row(v_head + row * D, vs[row * scale_stride], D, vpack.data() + k * D);
-          krows[k] = kpack.data() + k * D;
-          vrows[k] = vpack.data() + k * D;
+          pack_row(k_head + row * D, ks[row * scale_stride], D, tile.kpack.data() + k * D);
+          pack_row(v_head + row * D, vs[row * scale_stride], D, tile.vpack.data() + k * D);
         }
-#if TOKENMILL_SIMD
-        if (vec) s_tile(krows.data(), n, qt.data(), R, D, s.data());
-        else
-#endif
-          s_tile_scalar(krows.data(), n, qt.data(), R, D, s.data());
-        softmax_tile(s.data(), n, R, m.data(), l.data(), alpha.data(), vec);
-#if TOKENMILL_SIMD
-        if (vec) o_tile(s.data(), R, vrows.data(), n, alpha.data(), o.data(), D, shifted.data());
-        else
-#endif
-          o_tile_scalar(s.data(), R, vrows.data(), n, alpha.data(), o.data(), D);
+        tile.step(n, R, D, [](float*) {});  // every decode token comes after the prefix: nothing to mask
       }
       for (int64_t i = 0; i < nb; ++i)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * G + g, col = (b0 + i) * Hkv * G + h * G + g;
-          const float inv = 1.f / l[r];
-          for (int64_t d = 0; d < D; ++d) o_out[col * D + d] = o[r * D + d] * inv;
-          lse_out[col] = m[r] + std::log(l[r]);
+          const float inv = 1.f / tile.l[r];
+          for (int64_t d = 0; d < D; ++d) o_out[col * D + d] = tile.o[r * D + d] * inv;
+          lse_out[col] = tile.m[r] + std::log(tile.l[r]);
         }
     }
   });
@@ -538,18 +552,7 @@ std::tuple<at::Tensor, at::Tensor> cascade_prefix_attention(
   const int64_t* pb = blocks.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(r[b] >= 0 && r[b] < q.size(0), "cascade_prefix_attention: token row out of range");
   for (int64_t i = 0; i < blocks.size(0); ++i) TORCH_CHECK(pb[i] >= 0 && pb[i] < NB, "cascade_prefix_attention: block out of range");
-  int64_t scale_stride = 0;
-  if (quantized) {
-    for (const auto* x : {&*k_scale, &*v_scale})
-      TORCH_CHECK(x->scalar_type() == at::kFloat && x->is_contiguous(), "cascade_prefix_attention: KV scales must be contiguous float32");
-    if (k_cache.scalar_type() == at::kChar) {
-      TORCH_CHECK(k_scale->sizes() == k_cache.sizes().slice(0, 3) && v_scale->sizes() == k_scale->sizes(),
-                  "cascade_prefix_attention: int8 KV scales must be [Hkv, blocks, block_size]");
-      scale_stride = 1;
-    } else {
-      TORCH_CHECK(k_scale->numel() == 1 && v_scale->numel() == 1, "cascade_prefix_attention: fp8 KV scales must hold one value each");
-    }
-  }
+  const int64_t scale_stride = quantized ? tokenmill_cpu::check_kv_scales(k_cache, *k_scale, *v_scale, "cascade_prefix_attention") : 0;
   static const float kOne = 1.f;
   const float* ks = quantized ? k_scale->data_ptr<float>() : &kOne;
   const float* vs = quantized ? v_scale->data_ptr<float>() : &kOne;
@@ -564,16 +567,10 @@ std::tuple<at::Tensor, at::Tensor> cascade_prefix_attention(
           ks, vs, scale_stride, r, pb, o.data_ptr<float>(), lse.data_ptr<float>(), B, Hkv, H / Hkv, D, NB, BS, prefix_len,
           static_cast<float>(scale), rows_per_task > 0 ? rows_per_task : kRowsPerTask);
     };
-    if (!quantized) {
+    if (quantized)
+      tokenmill_cpu::dispatch_quantized_cache(k_cache.scalar_type(), "cascade_prefix_attention", run);
+    else
       run(static_cast<scalar_t*>(nullptr));
-      return;
-    }
-    switch (k_cache.scalar_type()) {
-      case at::kChar: run(static_cast<int8_t*>(nullptr)); break;
-      case at::kFloat8_e4m3fn: run(static_cast<c10::Float8_e4m3fn*>(nullptr)); break;
-      case at::kFloat8_e5m2: run(static_cast<c10::Float8_e5m2*>(nullptr)); break;
-      default: TORCH_CHECK(false, "cascade_prefix_attention: a quantized KV cache must be int8, float8_e4m3fn or float8_e5m2");
-    }
   });
   return {o, lse};
 }
