@@ -483,10 +483,13 @@ void cascade_prefix_kernel(
     int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, int64_t P, float scale, int64_t rows_per_task) {
   int64_t lanes = 1;
   const bool vec = vector_rows(D, lanes);
-  // Requests per task: up to rows_per_task rows, but at least two tasks per thread when the batch allows.
+  // Requests per task: up to rows_per_task rows, but at least two tasks per thread when the batch allows,
+  // then as many more as fill the vectors the rows are padded to (6 requests of G = 3 are 18 rows, two
+  // AVX-512 vectors: 10 requests fill them).
   const int64_t threads = at::get_num_threads();
   const int64_t tiles_wanted = std::max<int64_t>(1, (2 * threads + Hkv - 1) / Hkv);
-  const int64_t M = std::max<int64_t>(1, std::min(rows_per_task / G, (B + tiles_wanted - 1) / tiles_wanted));
+  int64_t M = std::max<int64_t>(1, std::min(rows_per_task / G, (B + tiles_wanted - 1) / tiles_wanted));
+  M = std::max(M, std::min(B, (M * G + lanes - 1) / lanes * lanes / G));
   const int64_t tiles = (B + M - 1) / M, num_tasks = tiles * Hkv;
   const int64_t R_max = (M * G + lanes - 1) / lanes * lanes;
   std::atomic<int64_t> next_task{0};
