@@ -11,9 +11,9 @@ from tokenmill.engine.messages import ScheduledChunk
 from tokenmill.layers.attention_metadata import AttentionGroup, BatchInputs
 
 
-# Cascade attention pays from here on (vLLM's thresholds, which held on CPU too): a shared prefix of at
+# Cascade attention is used from here on (vLLM's thresholds, not tuned on CPU yet): a shared prefix of at
 # least this many tokens, over at least this many decode rows. Below, the prefix pass's extra work (a
-# second walk over the rows, the merge) is not won back by the fewer reads of the prefix.
+# second kernel call, padded rows, the merge) may not be won back by the fewer reads of the prefix.
 CASCADE_MIN_PREFIX_TOKENS = 256
 CASCADE_MIN_ROWS = 8
 
