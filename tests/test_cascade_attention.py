@@ -160,6 +160,7 @@ def test_shared_prefix_blocks(rows, positions, want, monkeypatch):
     from tokenmill.worker import batch
 
     monkeypatch.setattr(batch, "CASCADE_MIN_PREFIX_TOKENS", 32)
+    monkeypatch.setattr(batch, "CASCADE_MIN_ROWS", 8)
     assert batch.shared_prefix_blocks(np.array(rows), np.array(positions), 16) == want
 
 
@@ -184,7 +185,8 @@ def test_greedy_equal_with_cascade_on_and_off(name, kv_cache_dtype, tiny_model_f
 
     from tokenmill.worker import batch
 
-    monkeypatch.setattr(batch, "CASCADE_MIN_PREFIX_TOKENS", 32)  # the tiny models' short contexts take it too
+    monkeypatch.setattr(batch, "CASCADE_MIN_PREFIX_TOKENS", 32)  # the tiny models' short contexts and small batch take it too
+    monkeypatch.setattr(batch, "CASCADE_MIN_ROWS", 8)
     path = tiny_model_factory(name)
     rng = random.Random(3)
     prefix = [rng.randrange(500) for _ in range(61)]
@@ -212,13 +214,15 @@ def test_cli_flag_turns_it_off():
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_greedy_equal_with_cascade_on_and_off(dtype):
-    """SmolLM2-135M, 8 requests over a 300-token shared prefix (the default thresholds: 256 tokens, 8 rows).
+    """SmolLM2-135M, 8 requests over a 300-token shared prefix (over the 256-token threshold; 8 rows allowed).
 
     float32: the same tokens. bf16: the outputs round differently (the prefix and the rest are summed in
     float32 apart, then merged), so greedy paths may part after a near tie; most of them must not."""
     import random
 
     from conftest import smollm2_gguf_path
+
+    from tokenmill.worker import batch
 
     if smollm2_gguf_path() is None:
         pytest.skip("the embedded SmolLM2 GGUF is not installed")
@@ -228,6 +232,7 @@ def test_smollm2_greedy_equal_with_cascade_on_and_off(dtype):
     calls = []
     kernel = cpu.cascade_prefix_attention
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(batch, "CASCADE_MIN_ROWS", 8)
         mp.setattr(cpu, "cascade_prefix_attention", lambda *a, **k: calls.append(a[5]) or kernel(*a, **k))
         got = _greedy(None, prompts, dtype)
     assert calls and all(n == 296 for n in calls)  # 37 whole blocks of 8

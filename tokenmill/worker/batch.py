@@ -11,11 +11,13 @@ from tokenmill.engine.messages import ScheduledChunk
 from tokenmill.layers.attention_metadata import AttentionGroup, BatchInputs
 
 
-# Cascade attention is used from here on (vLLM's thresholds, not tuned on CPU yet): a shared prefix of at
-# least this many tokens, over at least this many decode rows. Below, the prefix pass's extra work (a
-# second kernel call, padded rows, the merge) may not be won back by the fewer reads of the prefix.
+# Cascade attention is used from here on: a shared prefix of at least this many tokens, over at least this
+# many decode rows. Below, the prefix pass's extra work (a second kernel call, padded rows, the merge) is
+# not won back: one layer of SmolLM2's heads, 48 own tokens per request, one Zen 5 thread
+# (benchmarks/cascade_attention.py's case): 8 requests over 256 tokens break even (0.97-1.04x), 16 gain
+# 1.3x, 64 over 1,024 tokens 1.55-1.65x; 4 requests lose 15-25%. (vLLM's thresholds are 256 and 8.)
 CASCADE_MIN_PREFIX_TOKENS = 256
-CASCADE_MIN_ROWS = 8
+CASCADE_MIN_ROWS = 16
 
 
 def build_batch_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device, cascade: bool = True) -> BatchInputs:
