@@ -10,7 +10,8 @@ For each level, a build with TOKENMILL_CPU_MARCH=<level> in a temporary TORCH_EX
 
 Each runs the kernel tests of tests/test_layers.py, all of tests/test_kernel_shapes.py and
 tests/test_quant_kernels.py, the prompt-chunk kernel tests of tests/test_chunk_attention.py, the
-`kv_quant_kernel` tests of tests/test_kv_quant.py (quantized KV cache writes and decode), and the
+`kv_quant_kernel` tests of tests/test_kv_quant.py (quantized KV cache writes and decode), the
+`cascade_kernel` tests of tests/test_cascade_attention.py (decodes over a shared prefix), and the
 `w8a8_kernel` tests of tests/test_w8a8.py (whose x86-64-v4
 build runs the AVX512BW code, x86-64-v4 having no VNNI; -march=native runs VNNI where the CPU has
 it) in a subprocess, and checks that the kernels were really used there (built, loaded, no test skipped,
@@ -136,8 +137,9 @@ def test_kernels_built_for_level_pass(build, level):
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
          "tests/test_layers.py", "tests/test_kernel_shapes.py", "tests/test_quant_kernels.py", "tests/test_w8a8.py",
-         "tests/test_chunk_attention.py", "tests/test_kv_quant.py",
-         "-k", f"{LAYER_TESTS} or test_kernel_shapes or test_quant_kernels or w8a8_kernel or {CHUNK_TESTS} or kv_quant_kernel"],
+         "tests/test_chunk_attention.py", "tests/test_kv_quant.py", "tests/test_cascade_attention.py",
+         "-k", f"{LAYER_TESTS} or test_kernel_shapes or test_quant_kernels or w8a8_kernel or {CHUNK_TESTS} or kv_quant_kernel "
+         "or cascade_kernel"],
         cwd=ROOT, env=_env(build.root, level), capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
     )  # fmt: skip
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""

@@ -98,6 +98,9 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     # Automatic prefix caching: full blocks are hashed and reused by later requests with the same prefix.
     enable_prefix_caching: bool = True
+    # Cascade attention: decodes whose contexts start with the same cached blocks read that shared prefix
+    # once per step for all of them (worker/batch.py decides when it pays), not once per request.
+    cascade_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -30,6 +30,9 @@ class AttentionGroup:
     block_table: torch.Tensor  # [b, num_blocks] the blocks holding each request's context
     query_pos: torch.Tensor  # [b, max_q] position of each query token
     from_start: bool = False  # every request's chunk starts at position 0 (a whole or first prompt chunk)
+    # A decode group's shared prefix for cascade attention: (prefix_len, the blocks holding positions
+    # 0 .. prefix_len - 1, the same physical blocks at the start of every row's block table); None: none used.
+    shared_prefix: tuple[int, torch.Tensor] | None = None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _kv_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -98,7 +101,9 @@ class BatchInputs:
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
 
-        groups = [AttentionGroup(move(g.token_index), move(g.block_table), move(g.query_pos), g.from_start) for g in self.attn_groups]
+        groups = [AttentionGroup(move(g.token_index), move(g.block_table), move(g.query_pos), g.from_start,
+                                 None if g.shared_prefix is None else (g.shared_prefix[0], move(g.shared_prefix[1])))
+                  for g in self.attn_groups]
         return BatchInputs(move(self.input_ids), move(self.positions), move(self.slot_mapping), move(self.query_start_loc),
                            move(self.seq_lens), move(self.block_tables), move(self.logits_indices), groups, self.block_size, self.num_tokens)
 

@@ -35,13 +35,15 @@ class ModelRunner:
     same one on their shards in step; `name` tells them which model (the target's or the draft's)."""
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
-                 followers: "Followers | None" = None, name: str = "target", kv_cache_dtype: str = "auto") -> None:
+                 followers: "Followers | None" = None, name: str = "target", kv_cache_dtype: str = "auto",
+                 cascade_attention: bool = True) -> None:
         self.model = model
         self.followers = followers
         self.name = name
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.cascade_attention = cascade_attention  # decodes over a shared prefix read it once (worker/batch.py)
         # What the KV cache stores (layers/kv_quant.py): the model's dtype, or int8 / fp8 with scales.
         self.kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
         if kv_cache_dtype != "auto" and device.type != "cpu":
@@ -124,7 +126,7 @@ class ModelRunner:
 
         grammar_bitmask: structured output's allowed tokens, one row per sampling row (ScheduledChunk.sampling_rows, in order).
         """
-        batch = build_batch_inputs(chunks, self.block_size, self.device)
+        batch = build_batch_inputs(chunks, self.block_size, self.device, self.cascade_attention)
         hidden = self.forward(batch)
         result = ModelRunnerOutput.empty(len(chunks))
         self._prompt_logprobs(chunks, hidden, result)

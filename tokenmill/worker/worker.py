@@ -59,7 +59,7 @@ class Worker:
                                         source.hf_config)
         model = build_model(source, spec.device, spec.dtype, spec.max_model_len, quant, self.comm)
         self.runner = ModelRunner(model, spec.device, spec.dtype, config.cache.block_size, followers, "target",
-                                  config.cache.kv_cache_dtype)
+                                  config.cache.kv_cache_dtype, config.cache.cascade_attention)
         self.drafter = self._make_drafter(source, followers)
 
     def _make_drafter(self, source: ModelSource, followers: Followers | None) -> DraftModelProposer | MedusaProposer | None:
@@ -96,7 +96,7 @@ class Worker:
                                         draft_source.hf_config)
         model = build_model(draft_source, spec.device, spec.dtype, spec.max_model_len, quant, self.comm)
         return DraftModelProposer(ModelRunner(model, spec.device, spec.dtype, spec.config.cache.block_size, followers, "draft",
-                                                   spec.config.cache.kv_cache_dtype))
+                                                   spec.config.cache.kv_cache_dtype, spec.config.cache.cascade_attention))
 
     def _runners(self) -> dict[str, ModelRunner]:
         runners = {"target": self.runner}
