@@ -210,7 +210,7 @@ class CpuPagedAttention(TorchPagedAttention):
         token_rows, positions = group.decode_rows_and_positions()
         k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
         cpu_kernels.paged_decode_attention(out, q.contiguous(), k_cache, v_cache, token_rows, group.block_table, positions,
-                                           sliding_window, scale, k_scale, v_scale)
+                                           sliding_window, scale, k_scale, v_scale, group.tree_start, group.tree_mask)
 
 
 def _gather_context(
