@@ -140,3 +140,20 @@ def test_medusa_trees_with_sampling_chunks_preemption_and_prefix_caching(tiny_mo
     assert stats.spec_decode.num_draft_tokens > 0 and stats.spec_decode.num_accepted_tokens > 0
     assert len(stats.spec_decode.accepted_per_pos) == 3  # per depth, not per node
     assert_no_blocks_held(llm)
+
+
+@pytest.mark.slow
+def test_medusa_trees_under_tensor_parallelism(tiny_model_factory, tmp_path):
+    """The kept path's KV moves on every rank (rank 0 announces the move): outputs as without speculation."""
+    folder = tiny_model_factory("llama_gqa")
+    hidden, vocab = model_dims(folder)
+    heads = heads_folder(tmp_path, random_heads(hidden, vocab, lm_head=target_lm_head(folder), shared=True))
+    prompts = token_prompts(4, seed=5)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=tree_config(heads, tree_width=3, num_speculative_tokens=3), tensor_parallel_size=2)
+    try:
+        assert_same_outputs(reference, llm.generate(prompts, params, use_tqdm=False))
+        assert llm.llm_engine.stats().spec_decode.num_accepted_tokens > 0
+    finally:
+        llm.llm_engine.shutdown()

@@ -77,11 +77,6 @@ class MedusaProposer:
     def observe_logits(self, chunks: list[ScheduledChunk], sampled: list[list[int]], logits: torch.Tensor) -> None:
         """After sampling: the logits of logits_rows' rows [k * rows, vocab]; the drafts of each request come
         from its last kept row."""
-        if self.width == 1:
-            per_row = logits.argmax(dim=-1, keepdim=True)
-        else:
-            per_row = logits.topk(self.width, dim=-1).indices
-        per_row = per_row.view(self.k, -1, self.width).transpose(0, 1)  # [sampling rows, k, width]
         rows, owners = [], []
         first = 0
         for chunk, kept in zip(chunks, sampled):
@@ -90,7 +85,13 @@ class MedusaProposer:
             rows.append(first + len(kept) - 1)
             owners.append((chunk.request_id, _newest_position(chunk, kept)))
             first += 1 + len(chunk.spec_token_ids)
-        self._keep(owners, per_row[torch.tensor(rows, dtype=torch.int64, device=per_row.device)].cpu().numpy())
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        selected = logits.view(self.k, -1, logits.shape[-1])[:, index]  # [k, requests, vocab]: only the rows read
+        if self.width == 1:
+            candidates = selected.argmax(dim=-1, keepdim=True)
+        else:
+            candidates = selected.topk(self.width, dim=-1).indices
+        self._keep(owners, candidates.transpose(0, 1).cpu().numpy())  # [requests, k, width]
 
     # -- heads with LM heads of their own (FasterDecoding's layout) ------------------------------------
     def observe(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, sampled: list[list[int]]) -> None:
