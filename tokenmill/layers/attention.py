@@ -222,7 +222,7 @@ class CpuPagedAttention(TorchPagedAttention):
             o, lse = cpu_kernels.cascade_prefix_attention(q, k_cache, v_cache, token_rows, prefix_blocks, prefix_len, scale, k_scale, v_scale)
             prefix = (prefix_len, o, lse)
         cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, token_rows, group.block_table, positions,
-                                           sliding_window, scale, k_scale, v_scale, prefix)
+                                           sliding_window, scale, k_scale, v_scale, prefix, group.tree_start, group.tree_mask)
 
 
 def _gather_context(

@@ -74,7 +74,7 @@ class Worker:
                 return None
             heads = load_medusa_heads(draft.model, int(source.hf_config.hidden_size), int(source.hf_config.vocab_size),
                                       spec.device, spec.dtype)
-            proposer = MedusaProposer(heads, draft.num_speculative_tokens)
+            proposer = MedusaProposer(heads, draft.num_speculative_tokens, draft.token_tree())
             if heads.shared_lm_head:  # the heads' rows ride along the target's logits matmul
                 self.runner.extra_logits_rows = proposer.logits_rows
                 self.runner.extra_logits_observer = proposer.observe_logits
@@ -182,5 +182,7 @@ class Worker:
                 runner.allocate_kv_cache(args[0])
             elif op == "copy_blocks":
                 runner.copy_blocks(args[0])
+            elif op == "move_kv":
+                runner.move_kv(*args)
             else:
                 raise RuntimeError(f"unknown operation {op!r} from rank 0")

@@ -19,6 +19,15 @@
 // (prefill_attention.cpp's cascade_prefix_attention: normalized partial outputs and log-sum-exps),
 // each token attends only to the rest of its context, prefix_len .. position, and the two parts are
 // merged by their log-sum-exps: out = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2).
+//
+// Token trees (speculative decoding, Medusa/EAGLE): a tree node's query row sees the context before
+// the tree and its ancestors in the tree only. A request's tree nodes sit in consecutive cache slots
+// from tree_start[b]; tree_mask[b] has bit j set when slot tree_start[b] + j is visible to row b (its
+// ancestors and itself). The row's scores are computed over the slots up to its own, as for a chain,
+// and the tree slots it must not see get -inf before the softmax (exp gives them 0): at most 64 extra
+// rows, so no second walk over the context is needed. positions[b] is the node's position (its depth
+// after the tree's root, as RoPE saw it), which the sliding window counts from; a row with mask 0 is
+// a plain decode.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -239,6 +248,8 @@ void decode_kernel(
     const int64_t* token_rows,    // [B] row of each request's query token in q / out
     const int64_t* block_table,   // [B, MB]
     const int64_t* positions,     // [B] position of the query token; the context is 0..position
+    const int64_t* tree_start,    // [B] first tree slot of each row, or nullptr (no trees)
+    const int64_t* tree_mask,     // [B] visible tree slots (bit j: slot tree_start + j); 0: not a tree node
     scalar_t* out,                // [T, Hkv * G, D]
     int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, int64_t MB,
     int64_t window, float scale,
@@ -259,8 +270,10 @@ void decode_kernel(
     std::vector<float> qf(G * D), acc(G * D), scores, lse(G);
     for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
       const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t len = positions[b] + 1;
-      const int64_t first = prefix_len > 0 ? prefix_len : window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const uint64_t mask = tree_mask != nullptr ? static_cast<uint64_t>(tree_mask[b]) : 0;
+      // A tree node reads up to its own slot: the highest bit of its mask (its own).
+      const int64_t len = mask ? tree_start[b] + 64 - __builtin_clzll(mask) : positions[b] + 1;
+      const int64_t first = prefix_len > 0 ? prefix_len : window > 0 ? std::max<int64_t>(0, positions[b] + 1 - window) : 0;
       const int64_t n = len - first;
       scores.resize(G * n);
       const scalar_t* qrow = q + (token_rows[b] * Hkv + h) * G * D;
@@ -280,6 +293,12 @@ void decode_kernel(
         for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
           dot_heads(qf.data(), k_head + row * D, ks[row], G, D, scores.data() + (t - first), n);
         });
+      }
+      if (mask) {  // the tree slots that are not this node's ancestors (or itself)
+        const float ninf = -std::numeric_limits<float>::infinity();
+        for (int64_t t = std::max(first, tree_start[b]); t < len; ++t)
+          if (!((mask >> (t - tree_start[b])) & 1))
+            for (int64_t g = 0; g < G; ++g) scores[g * n + (t - first)] = ninf;
       }
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
@@ -319,7 +338,8 @@ void paged_decode_attention(
     at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& token_rows, const at::Tensor& block_table, const at::Tensor& positions,
     int64_t window, double scale, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-    int64_t prefix_len, const std::optional<at::Tensor>& prefix_o, const std::optional<at::Tensor>& prefix_lse) {
+    int64_t prefix_len, const std::optional<at::Tensor>& prefix_o, const std::optional<at::Tensor>& prefix_lse,
+    const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_mask) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.size(1) == q.size(1) && out.size(2) == q.size(2),
               "q and out must be [T, H, D] with the same H and D");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [Hkv, blocks, block_size, D]");
@@ -347,6 +367,21 @@ void paged_decode_attention(
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(pos_of[b] >= prefix_len, "paged_decode_attention: every decode token must come after the shared prefix");
   }
+  TORCH_CHECK(tree_start.has_value() == tree_mask.has_value(), "paged_decode_attention: give both tree_start and tree_mask or neither");
+  at::Tensor t_start, t_mask;
+  if (tree_start.has_value()) {
+    t_start = tree_start->contiguous();
+    t_mask = tree_mask->contiguous();
+    TORCH_CHECK(t_start.scalar_type() == at::kLong && t_mask.scalar_type() == at::kLong && t_start.dim() == 1 &&
+                    t_mask.dim() == 1 && t_start.size(0) == B && t_mask.size(0) == B,
+                "tree_start / tree_mask must be int64 [B], a value per query row");
+    const int64_t* ts = t_start.data_ptr<int64_t>();
+    const int64_t* tm = t_mask.data_ptr<int64_t>();
+    const int64_t* ps = pos.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)  // a tree node's slots lie in its block table's range
+      TORCH_CHECK(tm[b] == 0 || (ts[b] >= 1 && ts[b] <= ps[b] && ts[b] + 64 - __builtin_clzll(static_cast<uint64_t>(tm[b])) <= table.size(1) * BS),
+                  "paged_decode_attention: a tree row's slots must follow its context, within its block table");
+  }
   static const float kOne = 1.f;
   const int64_t scale_stride = quantized ? tokenmill_cpu::check_kv_scales(k_cache, *k_scale, *v_scale, "paged_decode_attention") : 0;
   const float* ks = quantized ? k_scale->data_ptr<float>() : &kOne;
@@ -357,8 +392,9 @@ void paged_decode_attention(
       using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
       decode_kernel<scalar_t, cache_t>(
           q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(), ks, vs, scale_stride,
-          rows.data_ptr<int64_t>(), table.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hkv,
-          H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale), prefix_len,
+          rows.data_ptr<int64_t>(), table.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+          t_start.defined() ? t_start.data_ptr<int64_t>() : nullptr, t_mask.defined() ? t_mask.data_ptr<int64_t>() : nullptr,
+          out.data_ptr<scalar_t>(), B, Hkv, H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale), prefix_len,
           prefix_len > 0 ? prefix_o->data_ptr<float>() : nullptr, prefix_len > 0 ? prefix_lse->data_ptr<float>() : nullptr);
     };
     if (quantized)
@@ -497,7 +533,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("vector_isa() -> str", &vector_isa);
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor token_rows, "
         "Tensor block_table, Tensor positions, int window, float scale, Tensor? k_scale=None, Tensor? v_scale=None, "
-        "int prefix_len=0, Tensor? prefix_o=None, Tensor? prefix_lse=None) -> ()");
+        "int prefix_len=0, Tensor? prefix_o=None, Tensor? prefix_lse=None, Tensor? tree_start=None, Tensor? tree_mask=None) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
