@@ -78,3 +78,26 @@ def test_a_broken_tokenizer_built_in_the_background_fails_the_start(tmp_path, ti
     (folder / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="cannot load the tokenizer"):
         LLM(model=str(folder), dtype="float32")
+
+
+def test_a_generic_tokenizer_loads_as_autotokenizer_would():
+    """The default model's converted tokenizer (tokenizer_class TokenizersBackend) is loaded by that class
+    directly; it encodes, decodes and renders the chat template as AutoTokenizer's does."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.config import ModelConfig
+    from tokenmill.loader import load_model_source
+    from tokenmill.loader.gguf_file import _cache_dir
+    from tokenmill.loader.hf import _generic_tokenizer_class, load_tokenizer
+
+    folder = _cache_dir(load_model_source(ModelConfig(skip_tokenizer_init=True)).name)  # the converted GGUF
+    assert _generic_tokenizer_class(folder)
+    ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(auto)
+    text = "Hello, world! <|im_start|>user\\nÜnïcödé  tabs\\tand 123456"
+    assert ours.encode(text) == auto.encode(text)
+    assert ours.decode(auto.encode(text)) == auto.decode(auto.encode(text))
+    assert ours.eos_token_id == auto.eos_token_id and ours.all_special_ids == auto.all_special_ids
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -70,10 +70,27 @@ def _check_architecture(config_path: Path) -> None:
     get_model_class(SimpleNamespace(architectures=raw.get("architectures")))
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+# tokenizer_config.json classes that are transformers' generic tokenizers.json tokenizer: loaded by that
+# class directly, since AutoTokenizer also imports the model-config machinery (about a second).
+_GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
+
+def _generic_tokenizer_class(path: str) -> bool:
     try:
+        raw = json.loads((Path(path) / "tokenizer_config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES and (Path(path) / "tokenizer.json").is_file()
+
+
+def load_tokenizer(path: str):
+    try:
+        if _generic_tokenizer_class(path):
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from None
