@@ -54,7 +54,6 @@ class LLMEngine:
         source = load_model_source(config.model)
         self.model_name = source.name
         self.hf_config = source.hf_config
-        self.tokenizer = source.tokenizer
         self.eos_token_ids = frozenset(source.eos_token_ids)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.dtype = resolve_dtype(config.model.dtype, self.device, source.checkpoint_dtype)
@@ -89,6 +88,11 @@ class LLMEngine:
                 f"must be >= max_model_len ({max_model_len})"
             )
         self.max_model_len = max_model_len
+        try:
+            self.tokenizer = source.tokenizer  # built in a thread while the executor loaded the weights
+        except BaseException:
+            self.executor.shutdown()
+            raise
         kv_cache = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, kv_cache)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
+from tokenmill.loader.cache_dir import cache_root
 from tokenmill.loader.source import ModelSource, eos_ids_from
 
 # GGUF tensor name (block index as {i}) -> HF name, per GGUF architecture family.
@@ -289,10 +290,7 @@ def _cache_dir(path: str) -> str:
     """The converted copy's folder: one per file version (path, size, modification time)."""
     stat = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill"
-    )
-    return os.path.join(root, "gguf", key)
+    return os.path.join(cache_root(), "gguf", key)
 
 
 def _gguf_tokenizer(path: str):

@@ -12,7 +12,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.loader.source import ModelSource, eos_ids_from
+from tokenmill.loader.config_cache import load_config
+from tokenmill.loader.source import ModelSource, done, eos_ids_from, in_background
 from tokenmill.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -69,10 +70,27 @@ def _check_architecture(config_path: Path) -> None:
     get_model_class(SimpleNamespace(architectures=raw.get("architectures")))
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+# tokenizer_config.json classes that are transformers' generic tokenizers.json tokenizer: loaded by that
+# class directly, since AutoTokenizer also imports the model-config machinery (about a second).
+_GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
+
+def _generic_tokenizer_class(path: str) -> bool:
     try:
+        raw = json.loads((Path(path) / "tokenizer_config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES and (Path(path) / "tokenizer.json").is_file()
+
+
+def load_tokenizer(path: str):
+    try:
+        if _generic_tokenizer_class(path):
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from None
@@ -81,9 +99,10 @@ def load_tokenizer(path: str):
 def load_hf_source(path: str, tokenizer_path: str | None = None, skip_tokenizer_init: bool = False,
                    weights_required: bool = True) -> ModelSource:
     """An HF folder as a ModelSource (weights_required=False: a folder with the config and tokenizer
-    only, whose weights the caller supplies)."""
-    from transformers import AutoConfig, GenerationConfig
+    only, whose weights the caller supplies).
 
+    The tokenizer is built in a thread of its own (importing transformers and parsing tokenizer.json
+    take about a second) while the caller builds the model, when the EOS ids are known without it."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
         ggufs = sorted(folder.glob("*.gguf"))
@@ -91,29 +110,25 @@ def load_hf_source(path: str, tokenizer_path: str | None = None, skip_tokenizer_
             raise ModelLoadError(f"{path}: no config.json here, but it holds {ggufs[0].name}: give the path of that .gguf file")
         raise ModelLoadError(f"{path}: no config.json here; give an HF model folder or a .gguf file")
     _check_architecture(folder / "config.json")
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except Exception as exc:
-        raise ModelLoadError(f"{folder / 'config.json'} cannot be read: {exc}") from None
+    resolved = load_config(folder)
+    config = resolved.config
     files = _weight_files(folder) if weights_required else []
+    eos = eos_ids_from(getattr(config, "eos_token_id", None), resolved.generation_eos)
 
-    tokenizer = None
+    tokenizer = done(None)
     if not skip_tokenizer_init:
         tok_path = Path(tokenizer_path) if tokenizer_path else folder
         if tokenizer_path or any((tok_path / f).is_file() for f in _TOKENIZER_FILES):
-            tokenizer = load_tokenizer(str(tok_path))
+            if eos:
+                tokenizer = in_background("tokenmill-tokenizer", lambda: load_tokenizer(str(tok_path)))
+            else:
+                tokenizer = done(load_tokenizer(str(tok_path)))
+                eos_token_id = getattr(tokenizer.result(), "eos_token_id", None)
+                if eos_token_id is not None:
+                    eos.add(eos_token_id)
         else:
             logger.warning("%s has no tokenizer files: only token-id prompts will work", path)
 
-    generation_eos = None
-    if (folder / "generation_config.json").is_file():
-        try:
-            generation_eos = GenerationConfig.from_pretrained(folder).eos_token_id
-        except Exception:
-            logger.warning("ignoring an unreadable generation_config.json in %s", path)
-    eos = eos_ids_from(getattr(config, "eos_token_id", None), generation_eos)
-    if tokenizer is not None and tokenizer.eos_token_id is not None and not eos:
-        eos.add(tokenizer.eos_token_id)
     attrs = vars(config)  # not getattr: transformers warns on every read of the old torch_dtype name
     dtype = attrs.get("dtype") or attrs.get("torch_dtype")
     if isinstance(dtype, str):
@@ -122,7 +137,7 @@ def load_hf_source(path: str, tokenizer_path: str | None = None, skip_tokenizer_
         name=path,
         hf_config=config,
         weights=lambda: _iter_weights(files),
-        tokenizer=tokenizer,
+        tokenizer_future=tokenizer,
         eos_token_ids=eos,
         checkpoint_dtype=dtype,
     )

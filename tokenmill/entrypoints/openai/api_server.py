@@ -287,21 +287,19 @@ def default_served_name(args: argparse.Namespace, engine: Any) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
-def run_server(args: argparse.Namespace) -> None:
+def run_server(args: argparse.Namespace, engine: Any = None) -> None:
+    """Serve until SIGTERM / SIGINT; engine: one serve_start.make_server_engine(args) built already, else built here."""
     import uvicorn
 
-    from tokenmill.engine.async_engine import AsyncLLMEngine
-    from tokenmill.engine.dp.async_engine import AsyncDataParallelEngine
-    from tokenmill.entrypoints.cli import engine_config_from_args
+    from tokenmill.entrypoints.openai.serve_start import make_server_engine
 
     logging.getLogger("tokenmill").setLevel(args.log_level.upper())
     parsing = dict(tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                    reasoning_parser=args.reasoning_parser)
     OutputParsing(**parsing)  # a bad flag fails before the model loads
-    config = engine_config_from_args(args)
-    # Several replicas: a front end that routes to replica processes (its collector loop takes the main thread).
-    engine_class = AsyncDataParallelEngine if config.parallel.data_parallel_size > 1 else AsyncLLMEngine
-    engine = engine_class(config, max_waiting_requests=args.max_waiting_requests)
+    if engine is None:
+        # Several replicas: a front end that routes to replica processes (its collector loop takes the main thread).
+        engine = make_server_engine(args)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [default_served_name(args, engine)],
         api_keys=list(args.api_key or []),

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from tokenmill.entrypoints.openai.chat_tools import ToolChoice
 from tokenmill.entrypoints.openai.errors import BadRequest
 from tokenmill.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from tokenmill.entrypoints.openai.serve_start import check_output_parsing
 from tokenmill.entrypoints.openai.tool_parsers import (
     NamedToolParser,
     RequiredToolParser,
@@ -92,12 +93,7 @@ class OutputParsing:
     reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser is not None:
-            get_tool_parser(self.tool_call_parser)
-        if self.reasoning_parser is not None:
-            get_reasoning_parser(self.reasoning_parser)
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        check_output_parsing(self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
 
     @property
     def reasoning_class(self) -> type[ReasoningParser] | None:

@@ -140,8 +140,8 @@ def add_serve_parser(sub) -> None:
     add_server_args(serve)
 
     def run(args: argparse.Namespace) -> None:
-        from tokenmill.entrypoints.openai.api_server import run_server
+        from tokenmill.entrypoints.openai.serve_start import serve
 
-        run_server(args)
+        serve(args)
 
     serve.set_defaults(func=run)
