@@ -1,7 +1,8 @@
 """Load an EAGLE draft head from a checkpoint folder in EAGLE-1/2's layout (yuhuili/EAGLE, what
 `tokenmill train-eagle` writes): config.json (a Llama config of the draft's layers, usually
 num_hidden_layers 1) and pytorch_model.bin or model.safetensors with `fc.weight` (hidden x 2 hidden),
-`fc.bias` if any, and the layers' `layers.{i}.self_attn|mlp.*` and norms (no input norm in layer 0)."""
+`fc.bias` if any, and the layers' `layers.{i}.self_attn|mlp.*` and norms (no input norm in layer 0);
+optionally tokenmill's `draft_vocab` (int64 token ids the drafts may take; models/eagle.py)."""
 
 from __future__ import annotations
 
@@ -71,9 +72,16 @@ def load_eagle_head(path: str, target_hf_config, device: torch.device, dtype: to
                              f"but the model's hidden size is {hidden}: a head for another model?")
     if "vocab_size" in config and int(config["vocab_size"]) != int(target_hf_config.vocab_size):
         raise ModelLoadError(f"{path}/config.json: an EAGLE head for {config['vocab_size']} tokens, the model has {target_hf_config.vocab_size}")
+    draft_vocab = state.pop("draft_vocab", None)
+    vocab = int(target_hf_config.vocab_size)
+    if draft_vocab is not None:
+        if draft_vocab.dim() != 1 or draft_vocab.dtype not in (torch.int32, torch.int64) or len(draft_vocab) == 0 \
+                or int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= vocab:
+            raise ModelLoadError(f"{weights}: draft_vocab must be a non-empty 1-D tensor of token ids below {vocab}")
+        draft_vocab = draft_vocab.to(device=device, dtype=torch.int64)
     ctx = ModelBuildContext(hf_config=hf_config, quant_config=UnquantizedConfig(device, dtype), max_position=max_position)
     with _default_dtype(dtype), device:
-        model = EagleDraftModel(ctx, fc_bias="fc.bias" in state)
+        model = EagleDraftModel(ctx, fc_bias="fc.bias" in state, draft_vocab=draft_vocab)
     try:
         model.load_weights(state.items())
     except ModelLoadError as exc:

@@ -9,6 +9,11 @@ and the LM head are the target's: the checkpoint holds only `fc` and the layers 
 copy in it is ignored), in the Llama module names (`layers.0.self_attn.q_proj.weight`, ...).
 
 The layers are tokenmill's own Llama layers, with a paged KV cache of their own (the proposer's).
+
+tokenmill's extension (what `tokenmill train-eagle` writes): a `draft_vocab` tensor in the checkpoint,
+the token ids the draft may propose (the most frequent in the model's own text). The drafts' logits
+then come from those rows of the LM head only: on a small model the vocabulary-sized LM head is much
+of a draft pass's cost (a fifth of SmolLM2-135M's weights), and the rare tokens cut are rarely right.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from tokenmill.models.weights import load_named_weights
 
 
 class EagleDraftModel(nn.Module):
-    def __init__(self, ctx: ModelBuildContext, fc_bias: bool) -> None:
+    def __init__(self, ctx: ModelBuildContext, fc_bias: bool, draft_vocab: torch.Tensor | None = None) -> None:
         super().__init__()
+        self.draft_vocab = draft_vocab  # token ids the drafts may take (None: all)
         config = ctx.hf_config
         self.hidden_size = config.hidden_size
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias).requires_grad_(False)

@@ -65,6 +65,8 @@ def add_train_eagle_parser(sub, add_engine_args: Callable[[argparse.ArgumentPars
     parser.add_argument("--temperature", type=float, default=defaults.temperature, help="of the generation")
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--tokens-per-step", type=int, default=defaults.tokens_per_step, help="positions per optimizer step")
+    parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
+                        help="tokens the drafts may take, the most frequent in the generated text (0: the whole vocabulary)")
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     add_engine_args(parser)
@@ -77,14 +79,14 @@ def cmd_train_eagle(args: argparse.Namespace) -> None:
     from tokenmill.training.selfdistill import chat_prompts
 
     _check_at_least(("--num-prompts", args.num_prompts, 1), ("--num-layers", args.num_layers, 1), ("--max-tokens", args.max_tokens, 3),
-                    ("--epochs", args.epochs, 1), ("--tokens-per-step", args.tokens_per_step, 1))
+                    ("--epochs", args.epochs, 1), ("--tokens-per-step", args.tokens_per_step, 1), ("--draft-vocab", args.draft_vocab, 0))
     config = EagleTrainingConfig(num_layers=args.num_layers, max_tokens=args.max_tokens, temperature=args.temperature, epochs=args.epochs,
-                                 tokens_per_step=args.tokens_per_step, lr=args.lr, seed=args.seed)
+                                 tokens_per_step=args.tokens_per_step, lr=args.lr, draft_vocab=args.draft_vocab, seed=args.seed)
     llm = _generating_llm(args, "train-eagle")
     prompts = chat_prompts(llm.get_tokenizer(), args.prompts_file, args.num_prompts)
     head, report = train_eagle_head(llm, prompts, config)
     save_eagle_head(head.eagle_state_dict(), {**head.eagle_config(), "base_model_name_or_path": llm.llm_engine.model_name}, args.output)
-    accuracy = "n/a" if report.accuracy is None else f"{report.accuracy:.1%}"
+    accuracy = "n/a" if report.accuracy is None else f"{report.accuracy:.1%} (the draft vocabulary holds {report.vocab_coverage:.1%} of the tokens)"
     print(f"trained an EAGLE head ({args.num_layers} layer(s)) on {report.num_positions} positions of {report.num_sequences} generated "
           f"sequences (generation {report.generate_s:.0f} s, training {report.train_s:.0f} s); held-out top-1 accuracy of the "
           f"first draft: {accuracy}; written to {args.output}")

@@ -8,7 +8,9 @@ EAGLE does), sharing train-medusa's generation (training/selfdistill.py).
    teacher forcing over whole sequences (causal attention among a sequence's rows; several sequences
    packed per step with a block-diagonal mask). A little uniform noise on the input states, as EAGLE
    adds, so the head tolerates its own guessed states when it chains.
-3. Adam; matmuls in bf16 autocast on CPUs with native bf16; a held-out tenth of the sequences gives the
+3. The draft vocabulary (tokenmill's extension, models/eagle.py): the draft_vocab most frequent tokens
+   of the generated text, the only ones the drafts may then take (their rows of the LM head only).
+4. Adam; matmuls in bf16 autocast on CPUs with native bf16; a held-out tenth of the sequences gives the
    top-1 accuracy of the first draft (an estimate of how often it will be kept).
 
 EagleTrainingHead is the same head in plain PyTorch (transformers' Llama decoder layers, autograd),
@@ -45,6 +47,7 @@ class EagleTrainingConfig:
     token_loss_weight: float = 0.1  # EAGLE's: the regression loss weighs 1, the token loss 0.1
     noise: float = 0.1  # uniform noise on the input states, times their RMS
     held_out: float = 0.1  # the fraction of sequences kept for the accuracy estimate
+    draft_vocab: int = 8192  # tokens the drafts may take (the most frequent in the generated text); 0: all
     seed: int = 0
 
 
@@ -55,6 +58,7 @@ class EagleTrainingReport:
     generate_s: float
     train_s: float
     accuracy: float | None = None  # top-1 of the first draft on the held-out positions (teacher-forced states)
+    vocab_coverage: float | None = None  # of the held-out positions' tokens, the share inside the draft vocabulary
     losses: list[float] = field(default_factory=list)  # per epoch
 
 
@@ -81,6 +85,7 @@ class EagleTrainingHead(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.draft_vocab: torch.Tensor | None = None  # token ids the drafts may take (train_eagle_head sets it)
         std = getattr(config, "initializer_range", 0.02)
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -100,8 +105,11 @@ class EagleTrainingHead(nn.Module):
         return hidden
 
     def eagle_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights under EAGLE-1/2's names (fc.*, layers.{i}.*)."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+        """The weights under EAGLE-1/2's names (fc.*, layers.{i}.*), and the draft vocabulary if any."""
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+        if getattr(self, "draft_vocab", None) is not None:
+            state["draft_vocab"] = self.draft_vocab
+        return state
 
     def eagle_config(self) -> dict:
         config = self.config.to_dict()
@@ -207,15 +215,21 @@ def train_eagle_head(llm, prompts: Sequence, config: EagleTrainingConfig, use_tq
         bar.set_postfix_str(f"loss {losses[-1]:.3f}")
     head.eval()
     train_s = time.perf_counter() - start
-    accuracy = None
+    if config.draft_vocab and config.draft_vocab < vocab_size:
+        counts = torch.bincount(torch.cat([s.tokens[2:] for s in used]), minlength=vocab_size)
+        head.draft_vocab = counts.topk(config.draft_vocab).indices.sort().values
+    accuracy = coverage = None
     if held:
-        right = count = 0
+        right = inside = count = 0
         with torch.no_grad():
             for pack in _pack(held, config.tokens_per_step):
                 embeds, states, positions, ids, _, target_tokens = _batch(pack, embedding)
                 guess = head(embeds, states, positions, causal_mask(ids, torch.float32))[0]
-                right += int((F.linear(guess, lm_head).argmax(-1) == target_tokens).sum())
+                vocab = head.draft_vocab if head.draft_vocab is not None else torch.arange(vocab_size)
+                top1 = vocab[F.linear(guess, lm_head[vocab]).argmax(-1)]
+                right += int((top1 == target_tokens).sum())
+                inside += int(torch.isin(target_tokens, vocab).sum())
                 count += len(target_tokens)
-        accuracy = right / count
-    report = EagleTrainingReport(len(sequences), sum(len(s.states) - 1 for s in sequences), generate_s, train_s, accuracy, losses)
+        accuracy, coverage = right / count, inside / count
+    report = EagleTrainingReport(len(sequences), sum(len(s.states) - 1 for s in sequences), generate_s, train_s, accuracy, coverage, losses)
     return head, report

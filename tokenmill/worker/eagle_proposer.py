@@ -13,7 +13,8 @@ pass i + 1 reads draft i and the guessed state of pass i at the next slot, k - 1
 Those speculative rows' KV is overwritten by the real rows of the next fill before any later row
 reads it (attention is causal), so rejections leave nothing stale behind.
 
-Drafts are greedy (the LM head's top-1): any draft is safe (verification keeps only what the target
+Drafts are greedy (the LM head's top-1, over the head's draft vocabulary if it has one: those rows of
+the LM head, prepacked once like the target's own): any draft is safe (verification keeps only what the target
 samples), so sampling requests are exact too, only less often accepted.
 """
 
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.messages import DRAFT_PLACEHOLDER, ScheduledChunk
+from tokenmill.layers.quantization.unquantized import PackedCPUWeight, cpu_packed_weights_supported
 from tokenmill.models.eagle import EagleDraftModel
 from tokenmill.worker.batch import build_batch_inputs
 from tokenmill.worker.draft_proposer import _tokens
@@ -70,6 +72,7 @@ class EagleProposer:
         self.runner = runner
         self.k = num_speculative_tokens
         self._pending: dict[str, _Pending] = {}
+        self._vocab_head = _vocab_head(target, draft.draft_vocab)
 
     # -- the worker's calls, like the draft model's --------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -159,15 +162,32 @@ class EagleProposer:
             batch = build_batch_inputs(passes, self.runner.block_size, self.runner.device)
             out = self.draft(self.embed(batch.input_ids), features, batch.positions, batch)
             guesses = out[batch.logits_indices]  # each pass's last row: the guessed state after it
-            tokens = self.target.compute_logits(guesses).argmax(dim=-1).tolist()
+            tokens = self._top1(guesses)
             for j, token in zip(rows, tokens):
                 drafts[j].append(token)
             rows_before = rows
         for chunk, draft in zip(targets, drafts):
             self._write(chunk, draft)
 
+    def _top1(self, guesses: torch.Tensor) -> list[int]:
+        if self._vocab_head is None:
+            return self.target.compute_logits(guesses).argmax(dim=-1).tolist()
+        return self.draft.draft_vocab[self._vocab_head(guesses).argmax(dim=-1)].tolist()
+
     @staticmethod
     def _write(chunk: ScheduledChunk, drafts: list[int]) -> None:
         k = len(chunk.spec_token_ids)
         chunk.spec_token_ids[:] = drafts
         chunk.token_ids[len(chunk.token_ids) - k :] = drafts
+
+
+def _vocab_head(target: torch.nn.Module, draft_vocab: torch.Tensor | None):
+    """The draft vocabulary's rows of the target's LM head as a matmul (None: the whole LM head). Only a
+    full-precision LM head has rows to take; a quantized one is used whole."""
+    weight = getattr(getattr(target, "lm_head", None), "weight", None)
+    if draft_vocab is None or weight is None or not weight.is_floating_point() or weight.dim() != 2 or weight.shape[0] <= int(draft_vocab.max()):
+        return None
+    rows = weight.detach().index_select(0, draft_vocab).contiguous()
+    if cpu_packed_weights_supported(rows.device, rows.dtype):
+        return PackedCPUWeight(rows)
+    return lambda hidden: torch.nn.functional.linear(hidden, rows)
