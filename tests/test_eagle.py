@@ -138,7 +138,7 @@ def test_greedy_with_eagle_equals_decoding_without(tiny_model_factory, tmp_path,
 
 
 def test_eagle_with_sampling_chunks_preemption_and_prefix_caching(tiny_model_factory, tmp_path):
-    """Seeded sampling (n > 1 too), beams-free greedy requests with logprobs, a small token budget (prompts
+    """Seeded sampling (n > 1 too), greedy requests with logprobs, a small token budget (prompts
     chunked) and a KV cache too small for the batch (preemption): the outputs of decoding without speculation."""
     folder = tiny_model_factory("llama_gqa")
     heads = head_folder(tmp_path, random_head(folder, num_layers=2))
@@ -163,9 +163,9 @@ def test_eagle_with_sampling_chunks_preemption_and_prefix_caching(tiny_model_fac
 
 
 def test_trained_head_is_accepted_and_changes_nothing(tiny_model_factory, tmp_path):
-    """train_eagle_head on the tiny model's own greedy continuations: decoding the same prompts with the
-    head keeps most drafts (chained ones too), and gives exactly the tokens of plain decoding, mixed
-    with requests that do not speculate (a beam search-free batch where some requests have no room)."""
+    """train_eagle_head on the tiny model's own greedy continuations (drafts from a 200-token draft
+    vocabulary): decoding the same prompts with the head keeps most first drafts (chained ones too), and
+    gives exactly the tokens of plain decoding, mixed with a request that does not speculate (max_tokens 1)."""
     from tokenmill.training.eagle import EagleTrainingConfig, train_eagle_head
 
     folder = tiny_model_factory("llama_gqa")
@@ -173,10 +173,12 @@ def test_trained_head_is_accepted_and_changes_nothing(tiny_model_factory, tmp_pa
     prompts[0] = {"prompt_token_ids": [7] * 32 + [3]}
     prompts.append({"prompt_token_ids": [7] * 32 + [1, 2]})  # shares 32 tokens: a prefix-cache hit skips them
     config = EagleTrainingConfig(max_tokens=24, epochs=40, tokens_per_step=512, lr=1e-2, held_out=0.0, noise=0.0,
-                                 token_loss_weight=1.0)
+                                 token_loss_weight=1.0, draft_vocab=200)
     head, report = train_eagle_head(tiny_llm(folder), prompts, config, use_tqdm=False)
     assert report.num_sequences == 9 and report.losses[-1] < report.losses[0] / 3
     path = head_folder(tmp_path, head)
+    draft = load_eagle_head(path, hf_config(folder), torch.device("cpu"), torch.float32, 64)
+    assert draft.draft_vocab.tolist() == head.draft_vocab.tolist() and len(draft.draft_vocab) == 200
 
     params = [SamplingParams(max_tokens=24, temperature=0.0)] * 8 + [SamplingParams(max_tokens=1, temperature=0.0)]
     reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)

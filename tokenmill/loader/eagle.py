@@ -94,10 +94,12 @@ def load_eagle_head(path: str, target_hf_config, device: torch.device, dtype: to
 
 
 def save_eagle_head(state: dict[str, torch.Tensor], config: dict, path: str) -> None:
-    """Write a head in EAGLE-1/2's layout: config.json and model.safetensors (float32)."""
+    """Write a head in EAGLE-1/2's layout: config.json and model.safetensors (float32, and int64 draft_vocab)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    save_file({k: v.detach().to(torch.float32).contiguous().cpu() for k, v in state.items()}, os.path.join(path, WEIGHT_FILES[0]))
+    # Weights in float32; the draft vocabulary stays token ids.
+    save_file({k: v.detach().to(torch.float32 if v.is_floating_point() else torch.int64).contiguous().cpu() for k, v in state.items()},
+              os.path.join(path, WEIGHT_FILES[0]))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
