@@ -14,6 +14,7 @@ import torch
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.quantization import UnquantizedConfig
+from tokenmill.loader.medusa import load_state_file
 from tokenmill.models.eagle import EagleDraftModel
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -31,12 +32,7 @@ def read_eagle_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor], str
     weights = next((os.path.join(path, name) for name in WEIGHT_FILES if os.path.isfile(os.path.join(path, name))), None)
     if weights is None:
         raise ModelLoadError(f"{path}: no EAGLE weights ({' or '.join(WEIGHT_FILES)})")
-    if weights.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(weights)
-    else:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
+    state = load_state_file(weights)
     if any(name.startswith("midlayer.") for name in state) or "d2t" in state:
         raise ModelLoadError(f"{weights}: an EAGLE-3 draft head (midlayer, d2t); only EAGLE-1/2's layout (fc + layers) is supported")
     if "fc.weight" not in state or not any(name.startswith("layers.0.") for name in state):

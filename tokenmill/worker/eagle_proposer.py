@@ -20,7 +20,6 @@ samples), so sampling requests are exact too, only less often accepted.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -30,7 +29,7 @@ from tokenmill.engine.messages import DRAFT_PLACEHOLDER, ScheduledChunk
 from tokenmill.layers.quantization.unquantized import PackedCPUWeight, cpu_packed_weights_supported
 from tokenmill.models.eagle import EagleDraftModel
 from tokenmill.worker.batch import build_batch_inputs
-from tokenmill.worker.draft_proposer import _tokens
+from tokenmill.worker.draft_proposer import RunnerBackedProposer, _tokens
 from tokenmill.worker.model_runner import ModelRunner
 
 # Pending rows kept per request at most (a request that never drafts, e.g. a beam, would otherwise grow
@@ -58,7 +57,7 @@ class _Pending:
         self.start, self.tokens, self.features = self.start + drop, self.tokens[drop:], [states]
 
 
-class EagleProposer:
+class EagleProposer(RunnerBackedProposer):
     def __init__(self, draft: EagleDraftModel, target: torch.nn.Module, runner: ModelRunner, num_speculative_tokens: int) -> None:
         """target: the target model, whose input embedding and LM head the draft uses; runner: the draft's
         own (its paged KV cache, indexed by the target's block tables)."""
@@ -71,26 +70,8 @@ class EagleProposer:
         self.target = target
         self.runner = runner
         self.k = num_speculative_tokens
-        self._pending: dict[str, _Pending] = {}
+        self._states: dict[str, _Pending] = {}
         self._vocab_head = _vocab_head(target, draft.draft_vocab)
-
-    # -- the worker's calls, like the draft model's --------------------------------------------------
-    def kv_bytes_per_block(self) -> int:
-        return self.runner.kv_bytes_per_block()
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks)
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        self.runner.copy_blocks(pairs)
-
-    def forget(self, request_ids: Iterable[str]) -> None:
-        for request_id in request_ids:
-            self._pending.pop(request_id, None)
-
-    def keep_only(self, request_ids: Collection[str]) -> None:
-        for request_id in [r for r in self._pending if r not in request_ids]:
-            del self._pending[request_id]
 
     # -- after each target pass: the rows it kept become pending draft rows ---------------------------
     def observe(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, sampled: list[list[int]]) -> None:
@@ -120,10 +101,10 @@ class EagleProposer:
         index = np.repeat(np.asarray(firsts, dtype=np.int64) - np.cumsum(counts_np) + counts_np, counts_np) + np.arange(int(counts_np.sum()))
         states = hidden.index_select(0, torch.from_numpy(index).to(hidden.device))
         for (request_id, start, following), piece in zip(owners, states.split(counts)):
-            pending = self._pending.get(request_id)
+            pending = self._states.get(request_id)
             if pending is None or pending.end != start:
                 # First rows, or not contiguous with the earlier ones (a recompute): start over from here.
-                pending = self._pending[request_id] = _Pending(start)
+                pending = self._states[request_id] = _Pending(start)
             pending.tokens += following
             pending.features.append(piece)
             pending.trim()
@@ -137,7 +118,7 @@ class EagleProposer:
             if not k or chunk.spec_token_ids[0] != DRAFT_PLACEHOLDER:
                 continue
             newest = chunk.start_pos + len(chunk.token_ids) - k - 1  # the position of the request's last token
-            pending = self._pending.pop(chunk.request_id, None)
+            pending = self._states.pop(chunk.request_id, None)
             if pending is None or pending.end != newest:
                 # No rows up to the last token (a fork's first step): the last token repeated is a safe draft.
                 self._write(chunk, [chunk.token_ids[-k - 1]] * k)
