@@ -35,6 +35,14 @@ CONFIGS = {
     "medusa k1": {"method": "medusa", "num_speculative_tokens": 1},
     "medusa k2": {"method": "medusa", "num_speculative_tokens": 2},
     "medusa k3": {"method": "medusa", "num_speculative_tokens": 3},
+    # Token trees: the top-1 chain of k with w - 1 more candidates of each head beside it (k * w nodes).
+    "medusa k2 w2": {"method": "medusa", "num_speculative_tokens": 2, "tree_width": 2},
+    "medusa k2 w4": {"method": "medusa", "num_speculative_tokens": 2, "tree_width": 4},
+    "medusa k3 w2": {"method": "medusa", "num_speculative_tokens": 3, "tree_width": 2},
+    "medusa k3 w3": {"method": "medusa", "num_speculative_tokens": 3, "tree_width": 3},
+    "medusa k3 w4": {"method": "medusa", "num_speculative_tokens": 3, "tree_width": 4},
+    # A sparse tree in the style of Medusa's medusa_choices: more candidates where the guesses are better.
+    "medusa tree10": {"method": "medusa", "tree": [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [0, 2], [0, 0, 0], [0, 0, 1]]},
     # An EAGLE head from --eagle (e.g. `tokenmill train-eagle --output head/`).
     "eagle k1": {"method": "eagle", "num_speculative_tokens": 1},
     "eagle k2": {"method": "eagle", "num_speculative_tokens": 2},

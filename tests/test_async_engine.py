@@ -163,10 +163,14 @@ def test_shutdown_aborts_requests_in_flight(model):
     async def main():
         engine = make_engine(model)
         await engine.start()
-        task = asyncio.create_task(collect(engine, [4, 5, 6], SamplingParams(max_tokens=450, ignore_eos=True), "slow"))
-        await asyncio.sleep(0.3)
-        await engine.shutdown(timeout=0.0)
-        outputs = await task
+        # Shut down once the request has produced its first output (a fixed sleep raced a fast machine,
+        # which finished all 450 tokens first).
+        outputs, shutdown = [], None
+        async for out in engine.generate([4, 5, 6], SamplingParams(max_tokens=450, ignore_eos=True), "slow"):
+            outputs.append(out)
+            if shutdown is None:
+                shutdown = asyncio.create_task(engine.shutdown(timeout=0.0))
+        await shutdown
         return outputs[-1]
 
     final = run(main())

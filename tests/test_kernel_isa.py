@@ -10,12 +10,14 @@ For each level, a build with TOKENMILL_CPU_MARCH=<level> in a temporary TORCH_EX
 
 Each runs the kernel tests of tests/test_layers.py, all of tests/test_kernel_shapes.py and
 tests/test_quant_kernels.py, the prompt-chunk kernel tests of tests/test_chunk_attention.py, the
-`kv_quant_kernel` tests of tests/test_kv_quant.py (quantized KV cache writes and decode), and the
+`kv_quant_kernel` tests of tests/test_kv_quant.py (quantized KV cache writes and decode), the
+`cascade_kernel` tests of tests/test_cascade_attention.py (decodes over a shared prefix), and the
 `w8a8_kernel` tests of tests/test_w8a8.py (whose x86-64-v4
 build runs the AVX512BW code, x86-64-v4 having no VNNI; -march=native runs VNNI where the CPU has
 it) in a subprocess, and checks that the kernels were really used there (built, loaded, no test skipped,
 the library's `vector_isa` is the level's, its ninja file has the requested -march). A build takes
-about a minute on a small machine, so only x86-64-v3 is in the default run (about 1.5-2 min); the
+about a minute on a small machine, so only x86-64-v3 is in the default run (about 1.5-2 min), and only
+where the native build is not already the AVX2 code (a CPU with AVX-512); the
 others, and the check that all levels give the same numbers, are marked slow.
 """
 
@@ -74,8 +76,19 @@ def _skip_reason(level: str) -> str | None:
     return f"this CPU cannot run {level} code: it lacks {', '.join(missing)}" if missing else None
 
 
+def _native_is_level(level: str) -> bool:
+    """Whether -march=native already builds this level's vector code: the highest level the CPU runs
+    (an AVX2-only CPU's native build is the AVX2 code, which the rest of the default run tests)."""
+    higher = [other for other in LEVELS if len(LEVELS[other][1]) > len(LEVELS[level][1])]
+    flags = _cpu_flags()
+    return _skip_reason(level) is None and all(not LEVELS[other][1] <= flags for other in higher)
+
+
 def _level_param(level: str, slow: bool):
     marks = [pytest.mark.skipif(_skip_reason(level) is not None, reason=_skip_reason(level) or "")]
+    if not slow and not os.environ.get("TOKENMILL_TEST_ALL_ISA"):  # a second build of the same code: 1.5-2 min for nothing
+        marks.append(pytest.mark.skipif(_native_is_level(level), reason=f"the native build is the {LEVELS[level][0]} code "
+                                        f"already, tested by the rest of the run (TOKENMILL_TEST_ALL_ISA=1 builds {level} too)"))
     if slow:
         marks.append(pytest.mark.slow)
     return pytest.param(level, marks=marks, id=level)
@@ -136,8 +149,9 @@ def test_kernels_built_for_level_pass(build, level):
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
          "tests/test_layers.py", "tests/test_kernel_shapes.py", "tests/test_quant_kernels.py", "tests/test_w8a8.py",
-         "tests/test_chunk_attention.py", "tests/test_kv_quant.py",
-         "-k", f"{LAYER_TESTS} or test_kernel_shapes or test_quant_kernels or w8a8_kernel or {CHUNK_TESTS} or kv_quant_kernel"],
+         "tests/test_chunk_attention.py", "tests/test_kv_quant.py", "tests/test_cascade_attention.py",
+         "-k", f"{LAYER_TESTS} or test_kernel_shapes or test_quant_kernels or w8a8_kernel or {CHUNK_TESTS} or kv_quant_kernel "
+         "or cascade_kernel"],
         cwd=ROOT, env=_env(build.root, level), capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
     )  # fmt: skip
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""

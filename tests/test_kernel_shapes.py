@@ -13,6 +13,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,3 +163,65 @@ def test_argmax_logsumexp(dtype, vocab):
     assert torch.equal(ids, logits.argmax(dim=-1))
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1))
     assert math.isinf(lse[4].item()) and lse[4].item() < 0
+
+
+def tree_attention_case(dtype, head_dim, group, window, seed=0):
+    """Requests whose last token is a token tree's root, then the tree's nodes in the next slots (random
+    parents, up to 64 nodes: every bit of the mask), each node a query row at its depth's position that
+    sees its context and its ancestors only; plus plain decode rows. Returns the kernel's inputs and a
+    plain PyTorch masked-attention reference of every query row."""
+    from tokenmill.spec_decode.tree import tree_layout
+
+    gen = torch.Generator().manual_seed(seed)
+    num_kv_heads, block = 2, 16
+    # (context before the tree, nodes): trees across block edges, a 64-node one, and plain decodes (0 nodes).
+    cases = [(1, 3), (15, 6), (40, 64), (9, 0), (70, 13)]
+    tables, kv, rows = [], [], []  # rows: (request, position, tree_start, mask)
+    next_block = 1
+    for b, (ctx, nodes) in enumerate(cases):
+        total = ctx + nodes
+        tables.append(list(range(next_block, next_block + -(-total // block))))
+        next_block += len(tables[-1])
+        kv.append((torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype),
+                   torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)))
+        rows.append((b, ctx - 1, ctx, 0))  # the root: a plain row
+        if nodes:
+            parents = torch.tensor([-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, nodes)])
+            depth, mask = tree_layout(parents.numpy(), np.zeros(nodes, dtype=np.int64))
+            rows += [(b, ctx - 1 + int(d), ctx, int(m)) for d, m in zip(depth, mask)]
+    k_cache = torch.zeros(num_kv_heads, next_block, block, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([tables[b][p // block] * block + p % block for b in range(len(cases)) for p in range(len(kv[b][0]))])
+    cpu.write_kv(k_cache, v_cache, torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]), slots)
+    max_blocks = max(map(len, tables))
+    q = torch.randn(len(rows), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    want = []
+    for r, (b, pos, start, mask) in enumerate(rows):
+        first = max(0, pos + 1 - window) if window else 0
+        seen = list(range(first, min(pos + 1, start) if mask else pos + 1))
+        seen += [start + j for j in range(64) if (mask >> j) & 1]
+        k = kv[b][0][seen].float().repeat_interleave(group, dim=1)
+        v = kv[b][1][seen].float().repeat_interleave(group, dim=1)
+        probs = (torch.einsum("hd,chd->hc", q[r].float(), k) * scale).softmax(-1)
+        want.append(torch.einsum("hc,chd->hd", probs, v))
+    inputs = dict(
+        q=q, k_cache=k_cache, v_cache=v_cache, token_rows=torch.arange(len(rows)),
+        block_table=torch.tensor([tables[b] + [0] * (max_blocks - len(tables[b])) for b, *_ in rows]),
+        positions=torch.tensor([pos for _, pos, _, _ in rows]), tree_start=torch.tensor([s for _, _, s, _ in rows]),
+        tree_mask=torch.tensor([m for *_, m in rows], dtype=torch.int64), scale=scale,
+    )
+    return inputs, torch.stack(want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 2), (24, 3), (4, 2)], ids=["D64-G3", "D128-G2", "D24-G3", "D4-G2"])
+@pytest.mark.parametrize("window", [None, 30])
+def test_paged_decode_attention_with_token_trees(dtype, head_dim, group, window):
+    """Tree attention (a node sees its context and its ancestors) against plain masked attention, on the
+    fixed-size, generic vector and scalar paths."""
+    i, want = tree_attention_case(dtype, head_dim, group, window)
+    out = torch.zeros_like(i["q"])
+    cpu.paged_decode_attention(out, i["q"], i["k_cache"], i["v_cache"], i["token_rows"], i["block_table"], i["positions"],
+                               window, i["scale"], tree_start=i["tree_start"], tree_mask=i["tree_mask"])
+    torch.testing.assert_close(out.float(), want, **_tol(dtype))

@@ -15,6 +15,7 @@ from tokenmill.engine.messages import ScheduledChunk
 from tokenmill.kernels.cpu import cpu_kernels_available
 from tokenmill.layers.attention import Attention, CpuPagedAttention, TorchPagedAttention
 from tokenmill.layers.quantization import PackedCPUWeight, cpu_packed_weights_supported
+from tokenmill.layers.quantization.unquantized import bucketed_rows
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.batch import build_batch_inputs
 
@@ -101,6 +102,22 @@ def test_packed_cpu_linear_matches_f_linear(rows, bias):
     got = PackedCPUWeight(weight)(x, b)
     assert got.shape == (2, rows, 96) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=0.1, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [5, 9, 33, 130])  # 1 x rows rows: unpadded, and padded to 16, 40 and 160
+def test_packed_cpu_linear_float32_pads_rows_to_buckets(rows):
+    torch.manual_seed(0)
+    weight, b, x = torch.randn(96, 40), torch.randn(96), torch.randn(rows, 40)
+    got = PackedCPUWeight(weight)(x, b)
+    assert got.shape == (rows, 96) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
+
+
+def test_bucketed_rows_bound_the_shapes_and_the_padding():
+    buckets = {bucketed_rows(rows) for rows in range(1, 8193)}
+    assert len(buckets) <= 48  # a few dozen oneDNN kernels per weight, whatever the traffic
+    assert all(rows <= bucketed_rows(rows) <= max(rows * 1.25, rows + 7) for rows in range(1, 8193))
+    assert [bucketed_rows(r) for r in (1, 8, 9, 33, 64, 65, 2048)] == [1, 8, 16, 40, 64, 80, 2048]
 
 
 def test_auto_dtype_on_cpu_follows_native_bf16():

@@ -107,8 +107,9 @@ class RowHeads(torch.nn.Module):
         self.heads = [None] * 4
         self.scale = torch.nn.Parameter(torch.ones(1))
 
-    def propose(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        return hidden[:, :1].long() + torch.arange(k)
+    def propose(self, hidden: torch.Tensor, k: int, width: int = 1) -> torch.Tensor:
+        """[rows, k, width]: head h's rank-r candidate is r[0] + h + 100 r."""
+        return hidden[:, :1, None].long() + torch.arange(k)[:, None] + 100 * torch.arange(width)
 
 
 def chunk(request_id: str, token_ids: list[int], start_pos: int, k: int = 0, sample: bool = True) -> ScheduledChunk:
@@ -126,7 +127,7 @@ def test_drafts_come_from_the_row_that_sampled_the_newest_token():
     proposer.observe(chunks, hidden, [[50], [7, 33], []])
     # a: its token came from row 3 (position 3), so its next step's last token is at position 4.
     # b: draft 7 kept, then 33 sampled at row 5 (position 21), so its last token is at position 22.
-    assert proposer._drafts == {"a": (4, [30, 31]), "b": (22, [50, 51])}
+    assert {r: (p, d.tolist()) for r, (p, d) in proposer._drafts.items()} == {"a": (4, [[30], [31]]), "b": (22, [[50], [51]])}
     step = [chunk("a", [50], 4, k=2), chunk("b", [33], 22, k=1), chunk("d", [4], 9, k=2)]
     proposer.fill(step)
     assert [c.spec_token_ids for c in step] == [[30, 31], [50], [4, 4]]  # d: unknown, its last token repeated

@@ -8,6 +8,7 @@ import torch
 
 from tokenmill.layers.kv_quant import check_kv_cache_dtype
 from tokenmill.layers.quantization import check_quantization
+from tokenmill.spec_decode.tree import MAX_TREE_NODES, TokenTree
 
 _DTYPES = {
     "float32": torch.float32,
@@ -98,6 +99,9 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     # Automatic prefix caching: full blocks are hashed and reused by later requests with the same prefix.
     enable_prefix_caching: bool = True
+    # Cascade attention: decodes whose contexts start with the same cached blocks read that shared prefix
+    # once per step for all of them (worker/batch.py decides when it pays), not once per request.
+    cascade_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -172,6 +176,7 @@ class StructuredOutputsConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle")
+TREE_METHODS = ("medusa",)  # proposers that draft token trees
 # vLLM's names for proposers tokenmill does not run yet: refused by name rather than as unknown.
 _SPECULATIVE_NOT_YET = ("eagle3", "mtp")
 
@@ -195,6 +200,12 @@ class SpeculativeConfig:
     model: str | None = None
     quantization: str | None = None
     quantization_options: dict | None = None
+    # medusa: a token tree instead of a chain (spec_decode/tree.py), verified in one pass with tree attention.
+    # tree: Medusa's `medusa_choices`, paths of candidate ranks ([0] head 1's top-1, [0, 1] head 2's second
+    # choice after it); its depth is num_speculative_tokens. tree_width: the top-1 chain of
+    # num_speculative_tokens with the next tree_width - 1 candidates beside it at every depth (1: a chain).
+    tree: list[list[int]] | None = None
+    tree_width: int | None = None
 
     def __post_init__(self) -> None:
         if self.method in _SPECULATIVE_NOT_YET:
@@ -227,6 +238,27 @@ class SpeculativeConfig:
                 raise ValueError(f'"quantization" belongs to the draft_model method, not "{self.method}"')
         elif self.model is not None or self.quantization is not None or self.quantization_options is not None:
             raise ValueError(f'"model" and "quantization" belong to the draft_model, medusa and eagle methods, not {self.method!r}')
+        if (self.tree is not None or self.tree_width is not None) and self.method not in TREE_METHODS:
+            raise ValueError(f'"tree" and "tree_width" belong to the {" and ".join(TREE_METHODS)} method(s), not {self.method!r}')
+        if self.tree is not None and self.tree_width is not None:
+            raise ValueError('give "tree" or "tree_width", not both')
+        if self.tree_width is not None and (not isinstance(self.tree_width, int) or isinstance(self.tree_width, bool)
+                                            or not 1 <= self.tree_width * self.num_speculative_tokens <= MAX_TREE_NODES):
+            raise ValueError(f"tree_width must be an integer >= 1 with tree_width * num_speculative_tokens <= {MAX_TREE_NODES}, "
+                             f"got {self.tree_width!r}")
+        if self.tree is not None and (tree := TokenTree.from_paths(self.tree)).depth != self.num_speculative_tokens:
+            raise ValueError(f"the tree is {tree.depth} deep, so it verifies up to {tree.depth} tokens: set num_speculative_tokens "
+                             f"to {tree.depth} or leave it out")
+
+    def token_tree(self) -> TokenTree | None:
+        """The static token tree the proposer fills each step, or None for a chain."""
+        if self.tree is not None:
+            tree = TokenTree.from_paths(self.tree)
+        elif self.tree_width is not None:
+            tree = TokenTree.of_width(self.num_speculative_tokens, self.tree_width)
+        else:
+            return None
+        return None if tree.is_chain else tree
 
     @classmethod
     def from_dict(cls, values: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -238,6 +270,8 @@ class SpeculativeConfig:
         unknown = sorted(set(values) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"unknown speculative_config key(s) {unknown}; allowed: {', '.join(cls.__dataclass_fields__)}")
+        if values.get("tree") is not None and "num_speculative_tokens" not in values:
+            values = {**values, "num_speculative_tokens": TokenTree.from_paths(values["tree"]).depth}
         return cls(**values)
 
 

@@ -40,15 +40,28 @@ class ScheduledChunk:
     # samples 1 + k tokens (one after each of its last k + 1 tokens); the runner keeps the drafts the
     # model agrees with, and the token it samples after the last one kept.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A token tree instead of a chain (spec_decode/tree.py): the parent of each draft, an earlier draft's
+    # index or -1 for the last real token. Empty: the drafts are a chain.
+    spec_parents: list[int] = field(default_factory=list)
     _rows: list["ScheduledChunk"] | None = field(default=None, init=False, repr=False, compare=False)
 
     def sampling_rows(self) -> list["ScheduledChunk"]:
         """The rows this chunk samples, as chunks: itself alone, or with k drafts, 1 + k rows where row i
-        samples as after_drafts(spec_token_ids, i) says. Made once, so the grammar mask and the sampler
-        see the same row objects."""
+        samples as after_drafts(spec_token_ids, i) says (in a tree, row 1 + i as after the path to node
+        i). Made once, so the grammar mask and the sampler see the same row objects."""
         if self._rows is None:
-            self._rows = [self] + [self.after_drafts(self.spec_token_ids, i) for i in range(1, len(self.spec_token_ids) + 1)]
+            if self.spec_parents:
+                self._rows = [self] + [self.after_drafts(path, len(path)) for path in self.draft_paths()]
+            else:
+                self._rows = [self] + [self.after_drafts(self.spec_token_ids, i) for i in range(1, len(self.spec_token_ids) + 1)]
         return self._rows
+
+    def draft_paths(self) -> list[list[int]]:
+        """Each draft's tokens from the root down to it (a tree's parents precede their children)."""
+        paths: list[list[int]] = []
+        for token, parent in zip(self.spec_token_ids, self.spec_parents):
+            paths.append((paths[parent] if parent >= 0 else []) + [token])
+        return paths
 
     def after_drafts(self, drafts: list[int], i: int) -> "ScheduledChunk":
         """This decode chunk as it would be once drafts[:i] are generated: drafts[i - 1] at the next
@@ -66,6 +79,7 @@ class ScheduledChunk:
             output_token_ids=self.output_token_ids + drafts[:i] if reads_history else self.output_token_ids,
             banned_token_ids=self.banned_token_ids if self.output_index + i < params.min_tokens else (),
             spec_token_ids=[],
+            spec_parents=[],
         )
 
 

@@ -71,6 +71,7 @@ class Request:
     # Speculative decoding: the drafts proposed for the next step (used only if that step is a decode),
     # the output tokens the last step appended (one, or several when drafts were kept), and totals.
     spec_token_ids: list[int] = field(default_factory=list, repr=False)
+    spec_parents: list[int] = field(default_factory=list, repr=False)  # a token tree's parents (empty: a chain)
     num_new_output_tokens: int = 0
     new_token_logprobs: list[float] = field(default_factory=list, repr=False)  # their raw logprobs (when known)
     num_draft_tokens: int = 0

@@ -22,6 +22,7 @@ from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.messages import ScheduledChunk, SchedulerOutput
 from tokenmill.engine.request import Request, RequestStatus, sequence_seed
 from tokenmill.spec_decode.metrics import SpecDecodeStats
+from tokenmill.spec_decode.tree import tree_depth
 
 
 class Scheduler:
@@ -124,11 +125,13 @@ class Scheduler:
                 index += 1
                 continue
             # A decode verifies the request's drafts in the same pass: they take budget and KV slots too.
+            # (A prefix of a tree's drafts is a tree: spec_decode/tree.py keeps parents before children.)
             drafts = request.spec_token_ids[: budget - 1] if num_new == 1 else []
-            request.spec_token_ids = []
+            parents = request.spec_parents[: len(drafts)]
+            request.spec_token_ids, request.spec_parents = [], []
             if drafts and self.kv_cache.allocate_slots(request, 1 + len(drafts)):
                 scheduled.append((request, 1 + len(drafts)))
-                scheduled_drafts[request.request_id] = drafts
+                scheduled_drafts[request.request_id] = (drafts, parents)
                 budget -= 1 + len(drafts)
                 index += 1
                 continue
@@ -181,14 +184,14 @@ class Scheduler:
                 scheduled.append((request, num_new))
                 budget -= num_new
 
-        chunks = [self._make_chunk(request, num_new, scheduled_drafts.get(request.request_id, [])) for request, num_new in scheduled]
+        chunks = [self._make_chunk(request, num_new, *scheduled_drafts.get(request.request_id, ([], []))) for request, num_new in scheduled]
         return SchedulerOutput(
             chunks=chunks,
             preempted_request_ids=[r.request_id for r in preempted],
             block_copies=self.kv_cache.take_block_copies(),
         )
 
-    def _make_chunk(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledChunk:
+    def _make_chunk(self, request: Request, num_new: int, drafts: list[int], parents: list[int]) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new - len(drafts)
         return ScheduledChunk(
@@ -205,6 +208,7 @@ class Scheduler:
             banned_token_ids=self._banned_token_ids(request) if end == request.num_tokens else (),
             bad_words_token_ids=request.bad_words_token_ids,
             spec_token_ids=drafts,
+            spec_parents=parents,
         )
 
     @staticmethod
@@ -234,7 +238,7 @@ class Scheduler:
     def _preempt(self, request: Request, to_front: bool = True) -> None:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_parents = [], []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -280,7 +284,7 @@ class Scheduler:
             if num_drafts:
                 request.num_draft_tokens += num_drafts
                 request.num_accepted_tokens += num_drafts - num_rejected
-                self.spec_stats.record(num_drafts, num_drafts - num_rejected)
+                self.spec_stats.record(num_drafts, num_drafts - num_rejected, tree_depth(chunk.spec_parents))
             logprobs = sampled_logprobs[i] if sampled_logprobs is not None else None
             request.num_new_output_tokens = 0
             request.new_token_logprobs = []

@@ -1,11 +1,12 @@
 """The engine's side of speculative decoding: after each step, the next step's drafts of every request
 that will decode, within what the request may still generate. The ngram proposer drafts here at once;
 for a draft model, slots are reserved here (placeholders) and the draft model fills them once the step
-is scheduled (worker/draft_proposer.py)."""
+is scheduled (worker/draft_proposer.py). With a token tree (spec_decode/tree.py) the placeholders are
+the tree's nodes, with their parents, cut to the depth the request has room for."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -13,6 +14,7 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.messages import DRAFT_PLACEHOLDER
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode.tree import TokenTree
 
 
 @dataclass
@@ -21,6 +23,12 @@ class DraftScheduler:
     num_speculative_tokens: int
     max_model_len: int
     disable_by_batch_size: int | None
+    tree: TokenTree | None = None  # placeholders for a token tree's nodes instead of a chain
+    _parents: list[int] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.tree is not None:
+            self._parents = self.tree.parents()
 
     def propose(self, running: list[Request]) -> None:
         """Set spec_token_ids of each running request that decodes next step (none at or above disable_by_batch_size)."""
@@ -30,8 +38,14 @@ class DraftScheduler:
             room = self._room(request)
             if room <= 0:
                 continue
-            if self.proposer is None:
-                request.spec_token_ids = [DRAFT_PLACEHOLDER] * min(room, self.num_speculative_tokens)
+            if self.proposer is None and self.tree is not None and request.sampling_params.structured_outputs is None:
+                # (The grammar checks drafts as a chain: requests with structured output get the tree's top-1 chain.)
+                # A tree node's slot is after the ones before it: all of them stay within the context.
+                n = min(self.tree.num_nodes_within(room), self.max_model_len - request.num_tokens)
+                request.spec_token_ids = [DRAFT_PLACEHOLDER] * n
+                request.spec_parents = self._parents[:n]
+            elif self.proposer is None:
+                request.spec_token_ids, request.spec_parents = [DRAFT_PLACEHOLDER] * min(room, self.num_speculative_tokens), []
             else:
                 token_ids = np.fromiter(request.all_token_ids, dtype=np.int64, count=request.num_tokens)
                 request.spec_token_ids = self.proposer.propose(token_ids, room)
@@ -60,4 +74,4 @@ def make_proposer(config: SpeculativeConfig | None, max_model_len: int) -> Draft
     proposer = None
     if config.method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
-    return DraftScheduler(proposer, config.num_speculative_tokens, max_model_len, config.disable_by_batch_size)
+    return DraftScheduler(proposer, config.num_speculative_tokens, max_model_len, config.disable_by_batch_size, config.token_tree())

@@ -50,6 +50,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
         help="turn off automatic prefix caching (reuse of the KV of prompt prefixes seen before)",
     )
+    g.add_argument(
+        "--no-cascade-attention", dest="cascade_attention", action="store_false",
+        help="turn off cascade attention (decodes that share a cached prefix read it once per step for all of them)",
+    )
     g.add_argument("--engine-seed", dest="engine_seed", type=int, default=0, help="seed of the engine's random draws")
     g.add_argument(
         "--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -104,6 +108,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,
+        cascade_attention=args.cascade_attention,
         seed=args.engine_seed,
         grammar_compile_timeout=args.grammar_compile_timeout,
         speculative_config=args.speculative_config,

@@ -323,12 +323,41 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    prefix: tuple[int, torch.Tensor, torch.Tensor] | None = None,
+    tree_start: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> None:
     """out[token_rows] := each decode token's attention over its paged context (see paged_attention.cpp).
 
-    k_scale / v_scale: a quantized cache's scales (int8: [Hkv, blocks, block_size]; fp8: [1]), see layers/kv_quant.py."""
+    k_scale / v_scale: a quantized cache's scales (int8: [Hkv, blocks, block_size]; fp8: [1]), see layers/kv_quant.py.
+    prefix: cascade attention's (prefix_len, o, lse) from cascade_prefix_attention: the tokens attend to positions
+    prefix_len .. their own and merge that with the shared prefix's part.
+    tree_start / tree_mask: token trees ([B] int64 each): row b sees its context before slot tree_start[b] and the
+    tree slots tree_start[b] + j whose bit j is set in tree_mask[b] (0: a plain row)."""
+    prefix_len, prefix_o, prefix_lse = prefix if prefix is not None else (0, None, None)
     torch.ops.tokenmill_cpu.paged_decode_attention(
-        out, q, k_cache, v_cache, token_rows, block_table, positions, sliding_window or 0, scale, k_scale, v_scale
+        out, q, k_cache, v_cache, token_rows, block_table, positions, sliding_window or 0, scale, k_scale, v_scale,
+        prefix_len, prefix_o, prefix_lse, tree_start, tree_mask,
+    )
+
+
+def cascade_prefix_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    token_rows: torch.Tensor,
+    prefix_blocks: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    rows_per_task: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode tokens q[token_rows] attended over a prefix their contexts share (positions 0 .. prefix_len - 1 in
+    the blocks prefix_blocks), each shared block read once per group of requests (see prefill_attention.cpp):
+    (normalized output [B, H, D], log-sum-exp [B, H]), float32."""
+    return torch.ops.tokenmill_cpu.cascade_prefix_attention(
+        q, k_cache, v_cache, token_rows, prefix_blocks, prefix_len, scale, k_scale, v_scale, rows_per_task
     )
 
 

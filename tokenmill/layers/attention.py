@@ -160,6 +160,11 @@ class CpuPagedAttention(TorchPagedAttention):
     prompt chunks attend from the paged cache in a tiled, causal, flash-attention-style kernel
     (tokenmill/kernels/cpu/prefill_attention.cpp).
 
+    Decodes whose block tables start with the same blocks (a prefix cached once and shared: worker/batch.py
+    finds it) take cascade attention: the prefix is read once for all of them in the prompt kernel's tiles
+    (rows: every decode token's query heads), then each token attends to the rest of its context and the
+    two parts are merged by their log-sum-exps. Not with a sliding window (the prefix would need masking).
+
     The gather it avoids copied every decode's whole context per layer and step: a quarter of a
     batch-32 decode step at a 200-token context, and most of it at 1,000 tokens. For prompt chunks
     after cached or earlier tokens the reference also builds a [b, max_q, ctx] mask and runs SDPA's
@@ -209,8 +214,15 @@ class CpuPagedAttention(TorchPagedAttention):
     ) -> None:
         token_rows, positions = group.decode_rows_and_positions()
         k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
-        cpu_kernels.paged_decode_attention(out, q.contiguous(), k_cache, v_cache, token_rows, group.block_table, positions,
-                                           sliding_window, scale, k_scale, v_scale)
+        q = q.contiguous()
+        prefix = None
+        if group.shared_prefix is not None and sliding_window is None:
+            # Cascade: the shared prefix once for all the group's tokens, then each token's own rest, merged.
+            prefix_len, prefix_blocks = group.shared_prefix
+            o, lse = cpu_kernels.cascade_prefix_attention(q, k_cache, v_cache, token_rows, prefix_blocks, prefix_len, scale, k_scale, v_scale)
+            prefix = (prefix_len, o, lse)
+        cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, token_rows, group.block_table, positions,
+                                           sliding_window, scale, k_scale, v_scale, prefix, group.tree_start, group.tree_mask)
 
 
 def _gather_context(

@@ -30,6 +30,14 @@ class AttentionGroup:
     block_table: torch.Tensor  # [b, num_blocks] the blocks holding each request's context
     query_pos: torch.Tensor  # [b, max_q] position of each query token
     from_start: bool = False  # every request's chunk starts at position 0 (a whole or first prompt chunk)
+    # A decode group's shared prefix for cascade attention: (prefix_len, the blocks holding positions
+    # 0 .. prefix_len - 1, the same physical blocks at the start of every row's block table); None: none used.
+    shared_prefix: tuple[int, torch.Tensor] | None = None
+    # Token trees (decode groups only; spec_decode/tree.py): row b sees its context before slot
+    # tree_start[b] and the tree slots tree_start[b] + j whose bit j is set in tree_mask[b] (its
+    # ancestors and itself); 0: a plain row, causal up to query_pos. None: no tree in the step.
+    tree_start: torch.Tensor | None = None  # [b]
+    tree_mask: torch.Tensor | None = None  # [b] int64 bitmask
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _kv_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -64,7 +72,8 @@ class AttentionGroup:
         return rows
 
     def mask(self, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
-        """Boolean [b, 1, max_q, num_blocks * block_size]: causal over the request's own context."""
+        """Boolean [b, 1, max_q, num_blocks * block_size]: causal over the request's own context (a tree
+        node: its context before the tree, and its ancestors in the tree)."""
         cached = self._masks.get(sliding_window)
         if cached is None:
             kv_pos = torch.arange(self.block_table.shape[1] * block_size, device=self.query_pos.device)
@@ -72,6 +81,11 @@ class AttentionGroup:
             cached = kv_pos <= q_pos
             if sliding_window is not None:
                 cached &= kv_pos > q_pos - sliding_window
+            if self.tree_start is not None:
+                start, bits = self.tree_start[:, None, None], self.tree_mask[:, None, None]
+                rel = kv_pos - start
+                in_tree = (rel >= 0) & (rel < 64) & ((bits >> rel.clamp(0, 63)) & 1).bool()
+                cached = torch.where(bits != 0, (cached & (rel < 0)) | in_tree, cached)
             cached = cached[:, None]
             self._masks[sliding_window] = cached
         return cached
@@ -98,7 +112,13 @@ class BatchInputs:
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
 
-        groups = [AttentionGroup(move(g.token_index), move(g.block_table), move(g.query_pos), g.from_start) for g in self.attn_groups]
+        def maybe(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else move(t)
+
+        groups = [AttentionGroup(move(g.token_index), move(g.block_table), move(g.query_pos), g.from_start,
+                                 None if g.shared_prefix is None else (g.shared_prefix[0], move(g.shared_prefix[1])),
+                                 maybe(g.tree_start), maybe(g.tree_mask))
+                  for g in self.attn_groups]
         return BatchInputs(move(self.input_ids), move(self.positions), move(self.slot_mapping), move(self.query_start_loc),
                            move(self.seq_lens), move(self.block_tables), move(self.logits_indices), groups, self.block_size, self.num_tokens)
 

@@ -41,9 +41,12 @@ class MedusaHeads(nn.Module):
         self.heads = nn.ModuleList(MedusaHead(hidden_size, vocab_size, num_layers, shared_lm_head) for _ in range(num_heads))
 
     @torch.inference_mode()
-    def propose(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """Each row's k chain drafts [rows, k]: the first k heads' most likely tokens (heads with their own LM heads)."""
-        return torch.stack([head(hidden).argmax(dim=-1) for head in self.heads[:k]], dim=1)
+    def propose(self, hidden: torch.Tensor, k: int, width: int = 1) -> torch.Tensor:
+        """Each row's candidates [rows, k, width]: the first k heads' `width` most likely tokens, most likely
+        first (heads with their own LM heads; width 1: a chain's drafts)."""
+        if width == 1:
+            return torch.stack([head(hidden).argmax(dim=-1, keepdim=True) for head in self.heads[:k]], dim=1)
+        return torch.stack([head(hidden).topk(width, dim=-1).indices for head in self.heads[:k]], dim=1)
 
     @torch.inference_mode()
     def transform(self, hidden: torch.Tensor, k: int) -> torch.Tensor:

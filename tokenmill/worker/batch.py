@@ -9,10 +9,20 @@ import torch
 
 from tokenmill.engine.messages import ScheduledChunk
 from tokenmill.layers.attention_metadata import AttentionGroup, BatchInputs
+from tokenmill.spec_decode.tree import tree_layout
 
 
-def build_batch_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> BatchInputs:
-    """BatchInputs from the scheduled chunks, in one go with numpy."""
+# Cascade attention is used from here on: a shared prefix of at least this many tokens, over at least this
+# many decode rows. Below, the prefix pass's extra work (a second kernel call, padded rows, the merge) is
+# not won back: one layer of SmolLM2's heads, 48 own tokens per request, one Zen 5 thread
+# (benchmarks/cascade_attention.py's case): 8 requests over 256 tokens break even (0.97-1.04x), 16 gain
+# 1.3x, 64 over 1,024 tokens 1.55-1.65x; 4 requests lose 15-25%. (vLLM's thresholds are 256 and 8.)
+CASCADE_MIN_PREFIX_TOKENS = 256
+CASCADE_MIN_ROWS = 16
+
+
+def build_batch_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device, cascade: bool = True) -> BatchInputs:
+    """BatchInputs from the scheduled chunks, in one go with numpy; cascade: look for a prefix the decodes share."""
     num_reqs = len(chunks)
     q_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=num_reqs)
     starts = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=num_reqs)
@@ -33,6 +43,12 @@ def build_batch_inputs(chunks: list[ScheduledChunk], block_size: int, device: to
     row_of_block = np.repeat(np.arange(num_reqs), n_blocks)
     block_tables[row_of_block, np.arange(len(flat_blocks)) - block_starts[row_of_block]] = flat_blocks
     slot_mapping = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
+    # Token trees: node i of a chunk's drafts sits in the slot after its last real token plus 1 + i (as a
+    # chain's draft would), but its position is that token's plus its depth, and it sees only its ancestors.
+    slot_pos, tree = positions, _tree_rows(chunks, query_start_loc, positions)
+    if tree is not None:
+        positions = positions.copy()
+        positions[tree[0]] = tree[1]
 
     # Sampled rows: each sampling chunk's last token, and with k drafts its last k + 1 tokens.
     num_spec = np.fromiter((len(c.spec_token_ids) for c in chunks), dtype=np.int64, count=num_reqs)
@@ -48,7 +64,8 @@ def build_batch_inputs(chunks: list[ScheduledChunk], block_size: int, device: to
     is_decode = (q_lens == 1) | (num_spec > 0)
     groups = []
     if is_decode.any():
-        groups.append(_decode_group(np.flatnonzero(is_decode[req_of_token]), req_of_token, positions, block_tables, block_size, device))
+        groups.append(_decode_group(np.flatnonzero(is_decode[req_of_token]), req_of_token, positions, slot_pos, tree, block_tables,
+                                    block_size, device, cascade))
     for rows in _prompt_row_groups(np.nonzero(~is_decode)[0], q_lens):
         groups.append(_make_group(rows, q_lens, starts, seq_lens, query_start_loc, block_tables, block_size, num_tokens, device))
 
@@ -89,18 +106,65 @@ def _prompt_row_groups(rows: np.ndarray, q_lens: np.ndarray) -> list[np.ndarray]
     return groups
 
 
+def _tree_rows(chunks: list[ScheduledChunk], query_start_loc: np.ndarray,
+               slot_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """For the chunks whose drafts form a tree (spec_parents): their node rows in the step, each node's
+    position (its root's plus its depth), first tree slot position and ancestor bitmask; None without trees."""
+    trees = [i for i, c in enumerate(chunks) if c.spec_parents]
+    if not trees:
+        return None
+    counts = np.fromiter((len(chunks[i].spec_parents) for i in trees), dtype=np.int64, count=len(trees))
+    parents = np.fromiter(chain.from_iterable(chunks[i].spec_parents for i in trees), dtype=np.int64, count=int(counts.sum()))
+    node_start = np.repeat(np.cumsum(counts) - counts, counts)
+    depth, mask = tree_layout(parents, node_start)
+    root_row = np.repeat(query_start_loc[np.asarray(trees) + 1] - counts - 1, counts)
+    rows = root_row + 1 + np.arange(len(parents)) - node_start
+    return rows, slot_pos[root_row] + depth, slot_pos[root_row] + 1, mask
+
+
 def _decode_group(
-    token_rows: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray, block_tables: np.ndarray, block_size: int, device: torch.device
+    token_rows: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray, slot_pos: np.ndarray,
+    tree: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None, block_tables: np.ndarray, block_size: int,
+    device: torch.device, cascade: bool = True,
 ) -> AttentionGroup:
-    """One row per query token: its row in the step, its request's block table and its position."""
+    """One row per query token: its row in the step, its request's block table and its position (and
+    for a tree node, where its tree starts and which of its slots it sees)."""
     query_pos = positions[token_rows]
-    num_blocks = int(query_pos.max()) // block_size + 1
+    num_blocks = int(slot_pos[token_rows].max()) // block_size + 1
+    table = np.ascontiguousarray(block_tables[req_of_token[token_rows], :num_blocks])
+    # Not with token trees: the decode kernel's prefix merge and its tree mask do not combine yet.
+    prefix_blocks = shared_prefix_blocks(table, query_pos, block_size) if cascade and tree is None else 0
+    tree_start = tree_mask = None
+    if tree is not None:
+        # Every row gets a value: a plain row's tree starts after it, with an empty mask.
+        start, bits = query_pos + 1, np.zeros(len(token_rows), dtype=np.int64)
+        where = np.searchsorted(token_rows, tree[0])  # token_rows is sorted, and holds every tree row
+        start[where], bits[where] = tree[2], tree[3]
+        tree_start, tree_mask = torch.from_numpy(start).to(device), torch.from_numpy(bits).to(device)
     return AttentionGroup(
         token_index=torch.from_numpy(token_rows[:, None]).to(device),
-        block_table=torch.from_numpy(np.ascontiguousarray(block_tables[req_of_token[token_rows], :num_blocks])).to(device),
+        block_table=torch.from_numpy(table).to(device),
         query_pos=torch.from_numpy(query_pos[:, None]).to(device),
         from_start=bool((query_pos == 0).all()),
+        shared_prefix=(prefix_blocks * block_size, torch.from_numpy(table[0, :prefix_blocks].copy()).to(device)) if prefix_blocks else None,
+        tree_start=tree_start,
+        tree_mask=tree_mask,
     )
+
+
+def shared_prefix_blocks(table: np.ndarray, query_pos: np.ndarray, block_size: int) -> int:
+    """The leading blocks every row's block table shares (the same physical blocks, as prefix caching
+    hands out), when cascade attention pays for them (CASCADE_MIN_ROWS, CASCADE_MIN_PREFIX_TOKENS); else 0.
+
+    Only whole blocks before every row's own position count, so each token keeps at least itself to
+    attend to after the prefix. Without sharing the first column differs and that ends it."""
+    limit = int(query_pos.min()) // block_size
+    if len(table) < CASCADE_MIN_ROWS or limit * block_size < CASCADE_MIN_PREFIX_TOKENS:
+        return 0
+    head = table[:, :limit]
+    same = (head == head[0]).all(axis=0)
+    shared = limit if same.all() else int(np.argmin(same))
+    return shared if shared * block_size >= CASCADE_MIN_PREFIX_TOKENS else 0
 
 
 def _make_group(

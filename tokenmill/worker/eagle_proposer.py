@@ -140,7 +140,7 @@ class EagleProposer(RunnerBackedProposer):
                           for j in rows]
             else:
                 passes_end = {j: p.start_pos + len(p.token_ids) for j, p in zip(rows, passes)}
-            batch = build_batch_inputs(passes, self.runner.block_size, self.runner.device)
+            batch = build_batch_inputs(passes, self.runner.block_size, self.runner.device, self.runner.cascade_attention)
             out = self.draft(self.embed(batch.input_ids), features, batch.positions, batch)
             guesses = out[batch.logits_indices]  # each pass's last row: the guessed state after it
             tokens = self._top1(guesses)

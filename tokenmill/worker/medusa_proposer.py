@@ -12,7 +12,11 @@ every sampling row, which it appends to its own logits matmul (the vocabulary-si
 the target and all heads); observe_logits then takes the drafts of each request's last kept row. Heads
 with LM heads of their own (FasterDecoding's checkpoints) compute from the kept rows' hidden states.
 
-Chain proposals only: each head's top-1, verified as a chain like the other proposers' drafts.
+A chain takes each head's top-1. A token tree (speculative_config's "tree" or "tree_width";
+spec_decode/tree.py) takes, for its node at path (r1, ..., rd), head d's candidate of rank rd, as
+Medusa does: the heads all read the same hidden state, so a node's guess does not depend on its
+parent's token; the tree only tries several of them at once. The scheduler hands each chunk the
+tree's first nodes with their parents (spec_parents); a chunk without parents gets the chain.
 """
 
 from __future__ import annotations
@@ -24,16 +28,21 @@ import torch
 
 from tokenmill.engine.messages import DRAFT_PLACEHOLDER, ScheduledChunk
 from tokenmill.models.medusa import MedusaHeads
+from tokenmill.spec_decode.tree import TokenTree
 
 
 class MedusaProposer:
-    def __init__(self, heads: MedusaHeads, num_speculative_tokens: int) -> None:
+    def __init__(self, heads: MedusaHeads, num_speculative_tokens: int, tree: TokenTree | None = None) -> None:
         if num_speculative_tokens > len(heads.heads):
             raise ValueError(f"num_speculative_tokens {num_speculative_tokens} is more than the {len(heads.heads)} Medusa heads")
         self.heads = heads
         self.k = num_speculative_tokens
+        # Each node's (head, rank), and how many candidates per head the tree reads (1: a chain).
+        self._node_head, self._node_rank = tree.heads_and_ranks() if tree is not None else (np.zeros(0, np.int64),) * 2
+        self.width = int(self._node_rank.max()) + 1 if tree is not None else 1
         self._dtype = next(heads.parameters()).dtype  # the model's: the loader put the heads there
-        self._drafts: dict[str, tuple[int, list[int]]] = {}  # request id -> (position of its last token, drafts after it)
+        # request id -> (position of its last token, candidates after it [k heads][width ranks])
+        self._drafts: dict[str, tuple[int, np.ndarray]] = {}
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -50,10 +59,13 @@ class MedusaProposer:
             if not k or chunk.spec_token_ids[0] != DRAFT_PLACEHOLDER:
                 continue
             last_pos = chunk.start_pos + len(chunk.token_ids) - k - 1
-            position, drafts = self._drafts.get(chunk.request_id, (-1, []))
+            position, candidates = self._drafts.get(chunk.request_id, (-1, None))
             if position != last_pos:
                 drafts = [chunk.token_ids[-k - 1]] * k
-            drafts = drafts[:k]
+            elif chunk.spec_parents:  # the tree's first k nodes
+                drafts = candidates[self._node_head[:k], self._node_rank[:k]].tolist()
+            else:
+                drafts = candidates[:k, 0].tolist()
             chunk.spec_token_ids[:] = drafts
             chunk.token_ids[len(chunk.token_ids) - k :] = drafts
 
@@ -65,7 +77,6 @@ class MedusaProposer:
     def observe_logits(self, chunks: list[ScheduledChunk], sampled: list[list[int]], logits: torch.Tensor) -> None:
         """After sampling: the logits of logits_rows' rows [k * rows, vocab]; the drafts of each request come
         from its last kept row."""
-        per_row = logits.argmax(dim=-1).view(self.k, -1).t()  # [sampling rows, k]
         rows, owners = [], []
         first = 0
         for chunk, kept in zip(chunks, sampled):
@@ -74,7 +85,13 @@ class MedusaProposer:
             rows.append(first + len(kept) - 1)
             owners.append((chunk.request_id, _newest_position(chunk, kept)))
             first += 1 + len(chunk.spec_token_ids)
-        self._keep(owners, per_row[torch.tensor(rows, dtype=torch.int64, device=per_row.device)].tolist())
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        selected = logits.view(self.k, -1, logits.shape[-1])[:, index]  # [k, requests, vocab]: only the rows read
+        if self.width == 1:
+            candidates = selected.argmax(dim=-1, keepdim=True)
+        else:
+            candidates = selected.topk(self.width, dim=-1).indices
+        self._keep(owners, candidates.transpose(0, 1).cpu().numpy())  # [requests, k, width]
 
     # -- heads with LM heads of their own (FasterDecoding's layout) ------------------------------------
     def observe(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, sampled: list[list[int]]) -> None:
@@ -92,9 +109,10 @@ class MedusaProposer:
         if not rows:
             return
         index = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(hidden.device)
-        self._keep(owners, self.heads.propose(hidden[index].to(self._dtype), self.k).tolist())
+        self._keep(owners, self.heads.propose(hidden[index].to(self._dtype), self.k, self.width).cpu().numpy())
 
-    def _keep(self, owners: list[tuple[str, int]], drafts: list[list[int]]) -> None:
+    def _keep(self, owners: list[tuple[str, int]], drafts: np.ndarray) -> None:
+        """drafts: [requests, k, width] each head's candidates, most likely first."""
         for (request_id, position), row in zip(owners, drafts):
             self._drafts[request_id] = (position, row)
 

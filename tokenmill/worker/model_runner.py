@@ -13,7 +13,7 @@ from tokenmill.engine.messages import ModelRunnerOutput, PositionLogprobs, Promp
 from tokenmill.layers.attention import Attention, GatherWorkspace, attention_backend
 from tokenmill.layers.attention_metadata import BatchInputs
 from tokenmill.layers.kv_quant import KVScales, kv_storage_dtype, scale_bytes_per_block
-from tokenmill.spec_decode.verify import draft_rows, num_kept
+from tokenmill.spec_decode.verify import draft_rows, kept_tree_rows, num_kept
 from tokenmill.worker.batch import build_batch_inputs
 from tokenmill.worker.cpu_memory import tune_malloc, zeros_huge_page_aligned
 from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
@@ -35,13 +35,15 @@ class ModelRunner:
     same one on their shards in step; `name` tells them which model (the target's or the draft's)."""
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
-                 followers: "Followers | None" = None, name: str = "target", kv_cache_dtype: str = "auto") -> None:
+                 followers: "Followers | None" = None, name: str = "target", kv_cache_dtype: str = "auto",
+                 cascade_attention: bool = True) -> None:
         self.model = model
         self.followers = followers
         self.name = name
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.cascade_attention = cascade_attention  # decodes over a shared prefix read it once (worker/batch.py)
         # What the KV cache stores (layers/kv_quant.py): the model's dtype, or int8 / fp8 with scales.
         self.kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
         if kv_cache_dtype != "auto" and device.type != "cpu":
@@ -125,7 +127,7 @@ class ModelRunner:
 
         grammar_bitmask: structured output's allowed tokens, one row per sampling row (ScheduledChunk.sampling_rows, in order).
         """
-        batch = build_batch_inputs(chunks, self.block_size, self.device)
+        batch = build_batch_inputs(chunks, self.block_size, self.device, self.cascade_attention)
         hidden = self.forward(batch)
         result = ModelRunnerOutput.empty(len(chunks))
         self._prompt_logprobs(chunks, hidden, result)
@@ -149,22 +151,71 @@ class ModelRunner:
         wanted = [j for j, row in enumerate(rows) if row.sampling_params.logprobs is not None]
         row_logprobs = dict(zip(wanted, _logprobs_lists(out.token_ids, out.logprobs, wanted)))
         rows_per_chunk = np.fromiter((len(chunks[i].spec_token_ids) + 1 for i in sampling), dtype=np.int64, count=len(sampling))
+        starts = np.cumsum(rows_per_chunk) - rows_per_chunk
         if len(rows) == len(sampling):  # no drafts: one token per chunk
-            kept = rows_per_chunk
+            kept_rows = [[int(f)] for f in starts]
+        elif any(chunks[i].spec_parents for i in sampling):  # token trees
+            local = kept_tree_rows(np.asarray(tokens, dtype=np.int64), [chunks[i].spec_token_ids for i in sampling],
+                                   [chunks[i].spec_parents for i in sampling])
+            kept_rows = [[f + r for r in path] for f, path in zip(starts.tolist(), local)]
+            self._gather_tree_paths([chunks[i] for i in sampling], local, hidden, extra_logits, len(rows))
         else:
             kept = num_kept(np.asarray(tokens, dtype=np.int64), draft_rows([chunks[i].spec_token_ids for i in sampling]), rows_per_chunk)
-        first = 0
-        for i, n, count in zip(sampling, kept.tolist(), rows_per_chunk.tolist()):
-            result.sampled_token_ids[i] = tokens[first : first + n]
-            result.sampled_logprobs[i] = token_logprobs[first : first + n]
+            kept_rows = [list(range(f, f + n)) for f, n in zip(starts.tolist(), kept.tolist())]
+        for i, path in zip(sampling, kept_rows):
+            result.sampled_token_ids[i] = [tokens[j] for j in path]
+            result.sampled_logprobs[i] = [token_logprobs[j] for j in path]
             if chunks[i].sampling_params.logprobs is not None:
-                result.logprobs[i] = [row_logprobs[j] for j in range(first, first + n)]
-            first += count
+                result.logprobs[i] = [row_logprobs[j] for j in path]
         if self.hidden_observer is not None:
             self.hidden_observer(chunks, hidden, result.sampled_token_ids)
         if extra_logits is not None:
             self.extra_logits_observer(chunks, result.sampled_token_ids, extra_logits)
         return result
+
+    def _gather_tree_paths(self, chunks: list[ScheduledChunk], paths: list[list[int]], hidden: torch.Tensor,
+                           extra_logits: torch.Tensor | None, num_rows: int) -> None:
+        """A tree's kept path as if it had been a chain: each kept node's KV moves to the slot after the one
+        before it (the request's next positions), and its rows of the hidden states and of the heads' extra
+        logits move to its depth's row, where the observers (the proposers) read a chain's. The slots of
+        the nodes not kept are past num_computed_tokens after the step: overwritten later, never cached."""
+        src_slots, dst_slots, src_rows, dst_rows, src_sampled, dst_sampled = [], [], [], [], [], []
+        token_first = sampled_first = 0
+        for chunk, path in zip(chunks, paths):
+            k = len(chunk.spec_token_ids)
+            root_pos = chunk.start_pos + len(chunk.token_ids) - k - 1
+            root_row = token_first + len(chunk.token_ids) - k - 1
+            for depth, row in enumerate(path[1:], start=1):
+                if row != depth:  # node row - 1 sits at slot root + row; its depth's slot is root + depth
+                    src_slots.append(_slot(chunk.block_ids, root_pos + row, self.block_size))
+                    dst_slots.append(_slot(chunk.block_ids, root_pos + depth, self.block_size))
+                    src_rows.append(root_row + row)
+                    dst_rows.append(root_row + depth)
+                    src_sampled.append(sampled_first + row)
+                    dst_sampled.append(sampled_first + depth)
+            token_first += len(chunk.token_ids)
+            sampled_first += k + 1
+        if not src_slots:
+            return
+        self.move_kv(src_slots, dst_slots)
+        hidden[dst_rows] = hidden[src_rows]
+        if extra_logits is not None:  # [heads * sampling rows, vocab], head-major
+            view = extra_logits.view(-1, num_rows, extra_logits.shape[-1])
+            view[:, dst_sampled] = view[:, src_sampled]
+
+    @torch.inference_mode()
+    def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Cache slot dst := slot src in every layer's K and V (and int8's scales); all sources are read first."""
+        self._announce("move_kv", src_slots, dst_slots)
+        src = torch.tensor(src_slots, dtype=torch.int64, device=self.device)
+        dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
+        for layer in self.attn_layers:
+            scales = (layer.kv_scales.k, layer.kv_scales.v) if layer.kv_scales is not None and layer.kv_scales.k.dim() == 3 else ()
+            for cache in (layer.k_cache, layer.v_cache, *scales):
+                if cache.dtype.itemsize == 1:
+                    cache = cache.view(torch.uint8)
+                flat = cache.view(cache.shape[0], cache.shape[1] * cache.shape[2], *cache.shape[3:])  # [Hkv, slots, ...]
+                flat.index_copy_(1, dst, flat.index_select(1, src))
 
     def forward(self, batch: BatchInputs) -> torch.Tensor:
         """The hidden states of the batch's tokens (every rank's forward pass: the layers all-reduce)."""
@@ -214,6 +265,10 @@ class ModelRunner:
         for i, _, first, n in jobs:
             result.prompt_logprobs[i] = PromptLogprobsChunk(first_index=first, positions=flat[lo : lo + n])
             lo += n
+
+
+def _slot(block_ids: list[int], position: int, block_size: int) -> int:
+    return block_ids[position // block_size] * block_size + position % block_size
 
 
 # Prompt positions whose logits are materialized at once for prompt_logprobs.

@@ -61,7 +61,7 @@ class Worker:
                                         source.hf_config)
         model = build_model(source, spec.device, spec.dtype, spec.max_model_len, quant, self.comm)
         self.runner = ModelRunner(model, spec.device, spec.dtype, config.cache.block_size, followers, "target",
-                                  config.cache.kv_cache_dtype)
+                                  config.cache.kv_cache_dtype, config.cache.cascade_attention)
         self.drafter = self._make_drafter(source, followers)
 
     def _make_drafter(self, source: ModelSource, followers: Followers | None) -> DraftModelProposer | MedusaProposer | EagleProposer | None:
@@ -76,7 +76,7 @@ class Worker:
                 raise ValueError('speculative method "eagle" runs without tensor parallelism (tensor_parallel_size 1)')
             head = load_eagle_head(draft.model, source.hf_config, spec.device, spec.dtype, spec.max_model_len)
             runner = ModelRunner(head, spec.device, spec.dtype, spec.config.cache.block_size, None, "eagle",
-                                 spec.config.cache.kv_cache_dtype)
+                                 spec.config.cache.kv_cache_dtype, spec.config.cache.cascade_attention)
             proposer = EagleProposer(head, self.runner.model, runner, draft.num_speculative_tokens)
             self.runner.hidden_observer = proposer.observe
             return proposer
@@ -85,7 +85,7 @@ class Worker:
                 return None
             heads = load_medusa_heads(draft.model, int(source.hf_config.hidden_size), int(source.hf_config.vocab_size),
                                       spec.device, spec.dtype)
-            proposer = MedusaProposer(heads, draft.num_speculative_tokens)
+            proposer = MedusaProposer(heads, draft.num_speculative_tokens, draft.token_tree())
             if heads.shared_lm_head:  # the heads' rows ride along the target's logits matmul
                 self.runner.extra_logits_rows = proposer.logits_rows
                 self.runner.extra_logits_observer = proposer.observe_logits
@@ -107,7 +107,7 @@ class Worker:
                                         draft_source.hf_config)
         model = build_model(draft_source, spec.device, spec.dtype, spec.max_model_len, quant, self.comm)
         return DraftModelProposer(ModelRunner(model, spec.device, spec.dtype, spec.config.cache.block_size, followers, "draft",
-                                                   spec.config.cache.kv_cache_dtype))
+                                                   spec.config.cache.kv_cache_dtype, spec.config.cache.cascade_attention))
 
     def _runners(self) -> dict[str, ModelRunner]:
         runners = {"target": self.runner}
@@ -193,5 +193,7 @@ class Worker:
                 runner.allocate_kv_cache(args[0])
             elif op == "copy_blocks":
                 runner.copy_blocks(args[0])
+            elif op == "move_kv":
+                runner.move_kv(*args)
             else:
                 raise RuntimeError(f"unknown operation {op!r} from rank 0")

@@ -14,6 +14,20 @@
 // Rows are widened to float32 in registers and the scale is applied once per row, not per
 // element: to the dot product's sum for K (q . (s k) = s (q . k)), and to the probability for V
 // (p (s v) = (p s) v). write_kv_quantized quantizes each new (token, head) row as it stores it.
+//
+// Cascade attention: given the decode tokens' attention over a prefix their contexts share
+// (prefill_attention.cpp's cascade_prefix_attention: normalized partial outputs and log-sum-exps),
+// each token attends only to the rest of its context, prefix_len .. position, and the two parts are
+// merged by their log-sum-exps: out = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2).
+//
+// Token trees (speculative decoding, Medusa/EAGLE): a tree node's query row sees the context before
+// the tree and its ancestors in the tree only. A request's tree nodes sit in consecutive cache slots
+// from tree_start[b]; tree_mask[b] has bit j set when slot tree_start[b] + j is visible to row b (its
+// ancestors and itself). The row's scores are computed over the slots up to its own, as for a chain,
+// and the tree slots it must not see get -inf before the softmax (exp gives them 0): at most 64 extra
+// rows, so no second walk over the context is needed. positions[b] is the node's position (its depth
+// after the tree's root, as RoPE saw it), which the sliding window counts from; a row with mask 0 is
+// a plain decode.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -234,9 +248,14 @@ void decode_kernel(
     const int64_t* token_rows,    // [B] row of each request's query token in q / out
     const int64_t* block_table,   // [B, MB]
     const int64_t* positions,     // [B] position of the query token; the context is 0..position
+    const int64_t* tree_start,    // [B] first tree slot of each row, or nullptr (no trees)
+    const int64_t* tree_mask,     // [B] visible tree slots (bit j: slot tree_start + j); 0: not a tree node
     scalar_t* out,                // [T, Hkv * G, D]
     int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, int64_t MB,
-    int64_t window, float scale) {
+    int64_t window, float scale,
+    int64_t prefix_len = 0,              // > 0: cascade; positions before it are in prefix_o / prefix_lse
+    const float* prefix_o = nullptr,     // [B, Hkv * G, D] normalized attention over the shared prefix
+    const float* prefix_lse = nullptr) { // [B, Hkv * G] its log-sum-exp
   // Tasks are handed out one at a time from a shared counter: contexts differ in length, and
   // parallel_for's static halves left one thread idle while the other finished the long ones.
   std::atomic<int64_t> next_task{0};
@@ -248,11 +267,13 @@ void decode_kernel(
   if (D == 128) pick_fixed<cache_t, 128 / W>(G, qk, pv);
 #endif
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+    std::vector<float> qf(G * D), acc(G * D), scores, lse(G);
     for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
       const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t len = positions[b] + 1;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const uint64_t mask = tree_mask != nullptr ? static_cast<uint64_t>(tree_mask[b]) : 0;
+      // A tree node reads up to its own slot: the highest bit of its mask (its own).
+      const int64_t len = mask ? tree_start[b] + 64 - __builtin_clzll(mask) : positions[b] + 1;
+      const int64_t first = prefix_len > 0 ? prefix_len : window > 0 ? std::max<int64_t>(0, positions[b] + 1 - window) : 0;
       const int64_t n = len - first;
       scores.resize(G * n);
       const scalar_t* qrow = q + (token_rows[b] * Hkv + h) * G * D;
@@ -273,10 +294,17 @@ void decode_kernel(
           dot_heads(qf.data(), k_head + row * D, ks[row], G, D, scores.data() + (t - first), n);
         });
       }
+      if (mask) {  // the tree slots that are not this node's ancestors (or itself)
+        const float ninf = -std::numeric_limits<float>::infinity();
+        for (int64_t t = std::max(first, tree_start[b]); t < len; ++t)
+          if (!((mask >> (t - tree_start[b])) & 1))
+            for (int64_t g = 0; g < G; ++g) scores[g * n + (t - first)] = ninf;
+      }
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
-        const float inv = 1.f / exp_sum(sg, n, row_max(sg, n));
+        const float m = row_max(sg, n), sum = exp_sum(sg, n, m), inv = 1.f / sum;
         for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+        lse[g] = m + std::log(sum);
       }
 #if TOKENMILL_SIMD
       if (pv != nullptr) {
@@ -289,34 +317,19 @@ void decode_kernel(
           axpy_heads(acc.data(), scores.data() + (t - first), n, v_head + row * D, vs[row], G, D);
         });
       }
+      if (prefix_len > 0) {  // merge with the prefix's part, weighted by each part's softmax mass
+        const float* po = prefix_o + (b * Hkv + h) * G * D;
+        const float* plse = prefix_lse + (b * Hkv + h) * G;
+        for (int64_t g = 0; g < G; ++g) {
+          const float mx = std::max(plse[g], lse[g]);
+          const float w1 = std::exp(plse[g] - mx), w2 = std::exp(lse[g] - mx), inv = 1.f / (w1 + w2);
+          for (int64_t d = 0; d < D; ++d) acc[g * D + d] = (w1 * po[g * D + d] + w2 * acc[g * D + d]) * inv;
+        }
+      }
       scalar_t* orow = out + (token_rows[b] * Hkv + h) * G * D;
       for (int64_t i = 0; i < G * D; ++i) orow[i] = static_cast<scalar_t>(acc[i]);
     }
   });
-}
-
-// f(static_cast<T*>(nullptr)) for the element type T of a quantized KV cache: int8, fp8 e4m3fn or e5m2.
-template <typename F>
-void dispatch_quantized_cache(at::ScalarType type, const char* op, F&& f) {
-  switch (type) {
-    case at::kChar: f(static_cast<int8_t*>(nullptr)); break;
-    case at::kFloat8_e4m3fn: f(static_cast<c10::Float8_e4m3fn*>(nullptr)); break;
-    case at::kFloat8_e5m2: f(static_cast<c10::Float8_e5m2*>(nullptr)); break;
-    default: TORCH_CHECK(false, op, ": a quantized KV cache must be int8, float8_e4m3fn or float8_e5m2");
-  }
-}
-
-// Checks a quantized cache's scales: int8's [Hkv, NB, BS] float32 (stride 1 per row), fp8's one float32 (stride 0).
-int64_t check_scales(const at::Tensor& cache, const at::Tensor& k_scale, const at::Tensor& v_scale, const char* op) {
-  for (const auto* s : {&k_scale, &v_scale})
-    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous(), op, ": KV scales must be contiguous float32");
-  if (cache.scalar_type() == at::kChar) {
-    TORCH_CHECK(k_scale.dim() == 3 && k_scale.sizes() == cache.sizes().slice(0, 3) && v_scale.sizes() == k_scale.sizes(), op,
-                ": int8 KV scales must be [Hkv, blocks, block_size], as the cache's first three dims");
-    return 1;
-  }
-  TORCH_CHECK(k_scale.numel() == 1 && v_scale.numel() == 1, op, ": fp8 KV scales must hold one value each (per tensor)");
-  return 0;
 }
 
 // out[token_rows] = attention of q[token_rows] over each request's paged context; other rows untouched.
@@ -324,7 +337,9 @@ int64_t check_scales(const at::Tensor& cache, const at::Tensor& k_scale, const a
 void paged_decode_attention(
     at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& token_rows, const at::Tensor& block_table, const at::Tensor& positions,
-    int64_t window, double scale, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+    int64_t window, double scale, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+    int64_t prefix_len, const std::optional<at::Tensor>& prefix_o, const std::optional<at::Tensor>& prefix_lse,
+    const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_mask) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.size(1) == q.size(1) && out.size(2) == q.size(2),
               "q and out must be [T, H, D] with the same H and D");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [Hkv, blocks, block_size, D]");
@@ -342,8 +357,33 @@ void paged_decode_attention(
   const int64_t Hkv = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "head sizes of q and the caches disagree");
   TORCH_CHECK(table.dim() == 2 && table.size(0) == B && pos.size(0) == B, "block_table / positions must have a row per request");
+  const int64_t* pos_of = pos.data_ptr<int64_t>();
+  if (prefix_len > 0) {
+    TORCH_CHECK(window == 0, "paged_decode_attention: a shared prefix (cascade) does not go with a sliding window");
+    TORCH_CHECK(prefix_o.has_value() && prefix_lse.has_value() && prefix_o->scalar_type() == at::kFloat &&
+                    prefix_lse->scalar_type() == at::kFloat && prefix_o->is_contiguous() && prefix_lse->is_contiguous() &&
+                    prefix_o->sizes() == at::IntArrayRef({B, H, D}) && prefix_lse->sizes() == at::IntArrayRef({B, H}),
+                "paged_decode_attention: a shared prefix needs prefix_o [B, H, D] and prefix_lse [B, H], contiguous float32");
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(pos_of[b] >= prefix_len, "paged_decode_attention: every decode token must come after the shared prefix");
+  }
+  TORCH_CHECK(tree_start.has_value() == tree_mask.has_value(), "paged_decode_attention: give both tree_start and tree_mask or neither");
+  at::Tensor t_start, t_mask;
+  if (tree_start.has_value()) {
+    t_start = tree_start->contiguous();
+    t_mask = tree_mask->contiguous();
+    TORCH_CHECK(t_start.scalar_type() == at::kLong && t_mask.scalar_type() == at::kLong && t_start.dim() == 1 &&
+                    t_mask.dim() == 1 && t_start.size(0) == B && t_mask.size(0) == B,
+                "tree_start / tree_mask must be int64 [B], a value per query row");
+    const int64_t* ts = t_start.data_ptr<int64_t>();
+    const int64_t* tm = t_mask.data_ptr<int64_t>();
+    const int64_t* ps = pos.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)  // a tree node's slots lie in its block table's range
+      TORCH_CHECK(tm[b] == 0 || (ts[b] >= 1 && ts[b] <= ps[b] && ts[b] + 64 - __builtin_clzll(static_cast<uint64_t>(tm[b])) <= table.size(1) * BS),
+                  "paged_decode_attention: a tree row's slots must follow its context, within its block table");
+  }
   static const float kOne = 1.f;
-  const int64_t scale_stride = quantized ? check_scales(k_cache, *k_scale, *v_scale, "paged_decode_attention") : 0;
+  const int64_t scale_stride = quantized ? tokenmill_cpu::check_kv_scales(k_cache, *k_scale, *v_scale, "paged_decode_attention") : 0;
   const float* ks = quantized ? k_scale->data_ptr<float>() : &kOne;
   const float* vs = quantized ? v_scale->data_ptr<float>() : &kOne;
   tokenmill_cpu::dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto* type_tag) {
@@ -352,11 +392,13 @@ void paged_decode_attention(
       using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
       decode_kernel<scalar_t, cache_t>(
           q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(), ks, vs, scale_stride,
-          rows.data_ptr<int64_t>(), table.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hkv,
-          H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale));
+          rows.data_ptr<int64_t>(), table.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+          t_start.defined() ? t_start.data_ptr<int64_t>() : nullptr, t_mask.defined() ? t_mask.data_ptr<int64_t>() : nullptr,
+          out.data_ptr<scalar_t>(), B, Hkv, H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale), prefix_len,
+          prefix_len > 0 ? prefix_o->data_ptr<float>() : nullptr, prefix_len > 0 ? prefix_lse->data_ptr<float>() : nullptr);
     };
     if (quantized)
-      dispatch_quantized_cache(k_cache.scalar_type(), "paged_decode_attention", run);
+      tokenmill_cpu::dispatch_quantized_cache(k_cache.scalar_type(), "paged_decode_attention", run);
     else
       run(static_cast<scalar_t*>(nullptr));
   });
@@ -444,7 +486,7 @@ void write_kv_quantized(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_sca
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "caches must be contiguous [Hkv, blocks, block_size, D] of one dtype");
-  const int64_t scale_stride = check_scales(k_cache, k_scale, v_scale, "write_kv_quantized");
+  const int64_t scale_stride = tokenmill_cpu::check_kv_scales(k_cache, k_scale, v_scale, "write_kv_quantized");
   const int64_t Hkv = k_cache.size(0), slots = k_cache.size(1) * k_cache.size(2), D = k_cache.size(3);
   for (const auto* x : {&k, &v})
     TORCH_CHECK(x->dim() == 3 && x->size(1) == Hkv && x->size(2) == D && x->stride(2) == 1 && x->stride(1) == D &&
@@ -460,7 +502,7 @@ void write_kv_quantized(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_sca
     using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
     const scalar_t* news[2] = {k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>()};
     const int64_t strides[2] = {k.stride(0), v.stride(0)};
-    dispatch_quantized_cache(k_cache.scalar_type(), "write_kv_quantized", [&](auto* cache_tag) {
+    tokenmill_cpu::dispatch_quantized_cache(k_cache.scalar_type(), "write_kv_quantized", [&](auto* cache_tag) {
       using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
       cache_t* caches[2] = {k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>()};
       at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
@@ -490,7 +532,8 @@ std::string vector_isa() { return tokenmill_cpu::vector_isa(); }
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("vector_isa() -> str", &vector_isa);
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor token_rows, "
-        "Tensor block_table, Tensor positions, int window, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+        "Tensor block_table, Tensor positions, int window, float scale, Tensor? k_scale=None, Tensor? v_scale=None, "
+        "int prefix_len=0, Tensor? prefix_o=None, Tensor? prefix_lse=None, Tensor? tree_start=None, Tensor? tree_mask=None) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);

@@ -21,6 +21,14 @@
 // (every row of the task reuses them; reading float32 rows in place through the block table was
 // 10-15% slower). Tasks are handed out from a shared counter, longest contexts first.
 //
+// Cascade attention's shared-prefix pass (cascade_prefix_attention) runs the same tiles with other
+// query rows: the decode tokens of many requests whose contexts start with the same physical blocks
+// (prefix caching shares them). A task takes one KV head and the query heads of a group of those
+// requests as its rows, and walks the shared prefix once for all of them: no mask (every decode
+// token comes after the prefix), and out comes each row's normalized partial output and its
+// log-sum-exp, which the decode kernel (paged_attention.cpp) merges with the rest of the context.
+// It also reads an int8 / fp8 cache: each row widened and times its scale as it is packed.
+//
 // Built for the machine it runs on (vec.h: AVX-512 16 lanes, AVX2 + FMA + F16C 8 lanes); without
 // either, or for head sizes that are no whole number of vectors, the same tiling runs scalar loops,
 // which are the reference.
@@ -35,6 +43,8 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -254,6 +264,56 @@ inline void softmax_tile(float* s, int64_t n, int64_t R, float* m, float* l, flo
   }
 }
 
+// Whether the vector paths run for head size D, and the lanes the query rows are padded to.
+inline bool vector_rows(int64_t D, int64_t& lanes) {
+#if TOKENMILL_SIMD
+  lanes = D % W == 0 ? W : 1;
+  return D % W == 0;
+#else
+  lanes = 1;
+  return false;
+#endif
+}
+
+// One thread's flash-attention state for up to R_max query rows: Q^T, the online softmax's m and l,
+// the output accumulator, and the packed K / V tile with its row pointers. A task fills qt, resets,
+// packs each tile's rows into kpack / vpack (widened to float32; krows / vrows point at
+// the packed rows) and calls step per tile; o / l is then each row's output.
+struct FlashTile {
+  std::vector<float> qt, s, o, m, l, alpha, kpack, vpack;
+  std::vector<const float*> krows, vrows, shifted;
+  bool vec;
+  FlashTile(int64_t R_max, int64_t D, bool vec)
+      : qt(D * R_max), s(kKeyTile * R_max), o(R_max * D), m(R_max), l(R_max), alpha(R_max), kpack(kKeyTile * D),
+        vpack(kKeyTile * D), krows(kKeyTile), vrows(kKeyTile), shifted(kKeyTile), vec(vec) {
+    for (int64_t k = 0; k < kKeyTile; ++k) {
+      krows[k] = kpack.data() + k * D;
+      vrows[k] = vpack.data() + k * D;
+    }
+  }
+  void reset(int64_t R, int64_t D) {
+    std::fill(m.begin(), m.begin() + R, -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.begin() + R, 0.f);
+    std::fill(o.begin(), o.begin() + R * D, 0.f);
+  }
+  // S^T for the tile's n keys, then (after mask(s), when given) the softmax step and O += P^T V.
+  template <typename Mask>
+  void step(int64_t n, int64_t R, int64_t D, Mask&& mask) {
+#if TOKENMILL_SIMD
+    if (vec) s_tile(krows.data(), n, qt.data(), R, D, s.data());
+    else
+#endif
+      s_tile_scalar(krows.data(), n, qt.data(), R, D, s.data());
+    mask(s.data());
+    softmax_tile(s.data(), n, R, m.data(), l.data(), alpha.data(), vec);
+#if TOKENMILL_SIMD
+    if (vec) o_tile(s.data(), R, vrows.data(), n, alpha.data(), o.data(), D, shifted.data());
+    else
+#endif
+      o_tile_scalar(s.data(), R, vrows.data(), n, alpha.data(), o.data(), D);
+  }
+};
+
 struct Task {
   int64_t b, h, i0, rows;  // request, KV head, first query offset in the chunk, query positions
 };
@@ -270,12 +330,8 @@ void prefill_kernel(
     scalar_t* out,                        // [*, Hkv * G, D] contiguous
     int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, int64_t MB,
     int64_t window, float scale, int64_t rows_per_task) {
-  bool vec = false;
   int64_t lanes = 1;
-#if TOKENMILL_SIMD
-  vec = D % W == 0;
-  lanes = vec ? W : 1;
-#endif
+  const bool vec = vector_rows(D, lanes);
   const int64_t M = std::max<int64_t>(1, rows_per_task / G);  // query positions per task
   std::vector<Task> tasks;
   for (int64_t b = 0; b < B; ++b)
@@ -289,9 +345,9 @@ void prefill_kernel(
   const int64_t R_max = (M * G + lanes - 1) / lanes * lanes;
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-    std::vector<float> qt(D * R_max), s(kKeyTile * R_max), o(R_max * D), m(R_max), l(R_max), alpha(R_max), qpos(R_max);
-    std::vector<float> kpack(kKeyTile * D), vpack(kKeyTile * D);
-    std::vector<const float*> krows(kKeyTile), vrows(kKeyTile), shifted(kKeyTile);
+    FlashTile tile(R_max, D, vec);
+    std::vector<float>& qt = tile.qt;
+    std::vector<float> qpos(R_max);
     for (int64_t t; (t = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
       const Task task = tasks[t];
       const int64_t R0 = task.rows * G, R = (R0 + lanes - 1) / lanes * lanes;
@@ -304,9 +360,7 @@ void prefill_kernel(
           for (int64_t d = 0; d < D; ++d) qt[d * R + i * G + g] = static_cast<float>(qrow[g * D + d]) * scale;
       }
       for (int64_t r = 0; r < R; ++r) qpos[r] = static_cast<float>(r < R0 ? p_min + r / G : p_max);
-      std::fill(m.begin(), m.begin() + R, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + R, 0.f);
-      std::fill(o.begin(), o.begin() + R * D, 0.f);
+      tile.reset(R, D);
 
       const scalar_t* k_head = k_cache + task.h * NB * BS * D;
       const scalar_t* v_head = v_cache + task.h * NB * BS * D;
@@ -317,8 +371,8 @@ void prefill_kernel(
         for (int64_t k = 0; k < n; ++k) {
           const int64_t pos = k0 + k;
           const int64_t row = blocks[pos / BS] * BS + pos % BS;
-          float* kp = kpack.data() + k * D;
-          float* vp = vpack.data() + k * D;
+          float* kp = tile.kpack.data() + k * D;
+          float* vp = tile.vpack.data() + k * D;
           const scalar_t* ks = k_head + row * D;
           const scalar_t* vs = v_head + row * D;
           int64_t d = 0;
@@ -332,29 +386,18 @@ void prefill_kernel(
             kp[d] = static_cast<float>(ks[d]);
             vp[d] = static_cast<float>(vs[d]);
           }
-          krows[k] = kp;
-          vrows[k] = vp;
         }
-#if TOKENMILL_SIMD
-        if (vec) s_tile(krows.data(), n, qt.data(), R, D, s.data());
-        else
-#endif
-          s_tile_scalar(krows.data(), n, qt.data(), R, D, s.data());
-        // Only tiles that reach past the first row's position or before the last row's window need a mask.
-        if (k0 + n - 1 > p_min || (window > 0 && k0 <= p_max - window)) mask_tile(s.data(), n, R, k0, qpos.data(), window, vec);
-        softmax_tile(s.data(), n, R, m.data(), l.data(), alpha.data(), vec);
-#if TOKENMILL_SIMD
-        if (vec) o_tile(s.data(), R, vrows.data(), n, alpha.data(), o.data(), D, shifted.data());
-        else
-#endif
-          o_tile_scalar(s.data(), R, vrows.data(), n, alpha.data(), o.data(), D);
+        tile.step(n, R, D, [&](float* s) {
+          // Only tiles that reach past the first row's position or before the last row's window need a mask.
+          if (k0 + n - 1 > p_min || (window > 0 && k0 <= p_max - window)) mask_tile(s, n, R, k0, qpos.data(), window, vec);
+        });
       }
       for (int64_t i = 0; i < task.rows; ++i) {
         scalar_t* orow = out + ((first_rows[task.b] + task.i0 + i) * Hkv + task.h) * G * D;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * G + g;
-          const float inv = 1.f / l[r];
-          const float* src = o.data() + r * D;
+          const float inv = 1.f / tile.l[r];
+          const float* src = tile.o.data() + r * D;
           int64_t d = 0;
 #if TOKENMILL_SIMD
           if (vec) {
@@ -410,10 +453,138 @@ void paged_prefill_attention(
   });
 }
 
+// The cache row `row` of one head widened to float32 into dst, times `scale` for a quantized cache.
+template <typename cache_t>
+inline void pack_row(const cache_t* src, float scale, int64_t D, float* dst) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16> || std::is_same_v<cache_t, c10::Half>) {
+#if TOKENMILL_SIMD
+    for (; d + W <= D; d += W) store(dst + d, Vec::load(src + d));
+#endif
+    for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+  } else {  // int8 / fp8: widened in scalar loops, a small part of the work (a task reuses each row for all its rows)
+    for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+  }
+}
+
+// For each KV head h and decode request b: the attention of b's G query heads over the shared prefix
+// (positions 0 .. P - 1 in the blocks `prefix_blocks`), normalized, into o_out[b, h * G + g] (float32),
+// and its log-sum-exp (scores with the softmax scale) into lse_out[b, h * G + g].
+template <typename scalar_t, typename cache_t>
+void cascade_prefix_kernel(
+    const scalar_t* q,            // [T, Hkv * G, D] contiguous
+    const cache_t* k_cache,       // [Hkv, NB, BS, D]
+    const cache_t* v_cache,
+    const float* k_scale, const float* v_scale, int64_t scale_stride,  // as paged_attention.cpp's RowScales
+    const int64_t* token_rows,    // [B] row of each decode token in q
+    const int64_t* prefix_blocks, // [ceil(P / BS)]
+    float* o_out,                 // [B, Hkv * G, D]
+    float* lse_out,               // [B, Hkv * G]
+    int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, int64_t P, float scale, int64_t rows_per_task) {
+  int64_t lanes = 1;
+  const bool vec = vector_rows(D, lanes);
+  // Requests per task: up to rows_per_task rows, but at least two tasks per thread when the batch allows,
+  // then as many more as fill the vectors the rows are padded to (6 requests of G = 3 are 18 rows, two
+  // AVX-512 vectors: 10 requests fill them).
+  const int64_t threads = at::get_num_threads();
+  const int64_t tiles_wanted = std::max<int64_t>(1, (2 * threads + Hkv - 1) / Hkv);
+  int64_t M = std::max<int64_t>(1, std::min(rows_per_task / G, (B + tiles_wanted - 1) / tiles_wanted));
+  M = std::max(M, std::min(B, (M * G + lanes - 1) / lanes * lanes / G));
+  const int64_t tiles = (B + M - 1) / M, num_tasks = tiles * Hkv;
+  const int64_t R_max = (M * G + lanes - 1) / lanes * lanes;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(threads, num_tasks), 1, [&](int64_t, int64_t) {
+    FlashTile tile(R_max, D, vec);
+    std::vector<float>& qt = tile.qt;
+    for (int64_t t; (t = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
+      const int64_t h = t % Hkv, b0 = (t / Hkv) * M, nb = std::min(M, B - b0);
+      const int64_t R0 = nb * G, R = (R0 + lanes - 1) / lanes * lanes;
+      std::fill(qt.begin(), qt.begin() + D * R, 0.f);  // padding rows: zero queries, dropped at the end
+      for (int64_t i = 0; i < nb; ++i) {
+        const scalar_t* qrow = q + (token_rows[b0 + i] * Hkv + h) * G * D;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) qt[d * R + i * G + g] = static_cast<float>(qrow[g * D + d]) * scale;
+      }
+      tile.reset(R, D);
+      const cache_t* k_head = k_cache + h * NB * BS * D;
+      const cache_t* v_head = v_cache + h * NB * BS * D;
+      const float* ks = k_scale + scale_stride * h * NB * BS;
+      const float* vs = v_scale + scale_stride * h * NB * BS;
+      for (int64_t k0 = 0; k0 < P; k0 += kKeyTile) {
+        const int64_t n = std::min(kKeyTile, P - k0);
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t pos = k0 + k, row = prefix_blocks[pos / BS] * BS + pos % BS;
+          pack_row(k_head + row * D, ks[row * scale_stride], D, tile.kpack.data() + k * D);
+          pack_row(v_head + row * D, vs[row * scale_stride], D, tile.vpack.data() + k * D);
+        }
+        tile.step(n, R, D, [](float*) {});  // every decode token comes after the prefix: nothing to mask
+      }
+      for (int64_t i = 0; i < nb; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g, col = (b0 + i) * Hkv * G + h * G + g;
+          const float inv = 1.f / tile.l[r];
+          for (int64_t d = 0; d < D; ++d) o_out[col * D + d] = tile.o[r * D + d] * inv;
+          lse_out[col] = tile.m[r] + std::log(tile.l[r]);
+        }
+    }
+  });
+}
+
+// (o [B, H, D], lse [B, H]) float32: the decode tokens q[token_rows] attended over the shared prefix
+// (positions 0 .. prefix_len - 1, in the blocks prefix_blocks), for paged_decode_attention to merge.
+std::tuple<at::Tensor, at::Tensor> cascade_prefix_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& token_rows,
+    const at::Tensor& prefix_blocks, int64_t prefix_len, double scale, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale, int64_t rows_per_task) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "cascade_prefix_attention: q must be contiguous [T, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "cascade_prefix_attention: caches must be contiguous [Hkv, blocks, block_size, D] of one dtype");
+  const bool quantized = k_scale.has_value();
+  TORCH_CHECK(quantized == v_scale.has_value(), "cascade_prefix_attention: give both k_scale and v_scale or neither");
+  TORCH_CHECK(quantized || k_cache.scalar_type() == q.scalar_type(),
+              "cascade_prefix_attention: the caches must have q's dtype (or be quantized, with scales)");
+  TORCH_CHECK(token_rows.scalar_type() == at::kLong && prefix_blocks.scalar_type() == at::kLong && token_rows.dim() == 1 &&
+                  prefix_blocks.dim() == 1, "cascade_prefix_attention: token_rows and prefix_blocks must be int64 vectors");
+  const auto rows = token_rows.contiguous(), blocks = prefix_blocks.contiguous();
+  const int64_t B = rows.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "cascade_prefix_attention: head sizes of q and the caches disagree");
+  TORCH_CHECK(prefix_len > 0 && prefix_len <= blocks.size(0) * BS, "cascade_prefix_attention: prefix_len must be in 1 .. blocks * block_size");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* pb = blocks.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(r[b] >= 0 && r[b] < q.size(0), "cascade_prefix_attention: token row out of range");
+  for (int64_t i = 0; i < blocks.size(0); ++i) TORCH_CHECK(pb[i] >= 0 && pb[i] < NB, "cascade_prefix_attention: block out of range");
+  const int64_t scale_stride = quantized ? tokenmill_cpu::check_kv_scales(k_cache, *k_scale, *v_scale, "cascade_prefix_attention") : 0;
+  static const float kOne = 1.f;
+  const float* ks = quantized ? k_scale->data_ptr<float>() : &kOne;
+  const float* vs = quantized ? v_scale->data_ptr<float>() : &kOne;
+  auto o = at::empty({B, H, D}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({B, H}, q.options().dtype(at::kFloat));
+  tokenmill_cpu::dispatch_float_types(q.scalar_type(), "cascade_prefix_attention", [&](auto* type_tag) {
+    using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
+    auto run = [&](auto* cache_tag) {
+      using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
+      cascade_prefix_kernel<scalar_t, cache_t>(
+          q.data_ptr<scalar_t>(), static_cast<const cache_t*>(k_cache.data_ptr()), static_cast<const cache_t*>(v_cache.data_ptr()),
+          ks, vs, scale_stride, r, pb, o.data_ptr<float>(), lse.data_ptr<float>(), B, Hkv, H / Hkv, D, NB, BS, prefix_len,
+          static_cast<float>(scale), rows_per_task > 0 ? rows_per_task : kRowsPerTask);
+    };
+    if (quantized)
+      tokenmill_cpu::dispatch_quantized_cache(k_cache.scalar_type(), "cascade_prefix_attention", run);
+    else
+      run(static_cast<scalar_t*>(nullptr));
+  });
+  return {o, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor first_rows, "
         "Tensor starts, Tensor lens, Tensor block_table, int window, float scale, int rows_per_task) -> ()");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
+  m.def("cascade_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor token_rows, Tensor prefix_blocks, "
+        "int prefix_len, float scale, Tensor? k_scale=None, Tensor? v_scale=None, int rows_per_task=0) -> (Tensor, Tensor)");
+  m.impl("cascade_prefix_attention", c10::DispatchKey::CPU, &cascade_prefix_attention);
 }

@@ -1,4 +1,5 @@
-// What tokenmill's CPU kernels share: the dtype dispatch, and one small vector abstraction over
+// What tokenmill's CPU kernels share: the dtype dispatch (float tensors, quantized KV caches and their
+// scales), and one small vector abstraction over
 // float32 lanes with an AVX-512 and an AVX2 implementation, so that each kernel is written once.
 //
 // The build picks the implementation from the target's macros (-march=native by default, or
@@ -52,6 +53,30 @@ void dispatch_float_types(at::ScalarType type, const char* op, F&& f) {
     case at::kHalf: f(static_cast<c10::Half*>(nullptr)); break;
     default: TORCH_CHECK(false, op, ": dtype must be float32, bfloat16 or float16");
   }
+}
+
+// f(static_cast<T*>(nullptr)) for the element type T of a quantized KV cache: int8, fp8 e4m3fn or e5m2.
+template <typename F>
+inline void dispatch_quantized_cache(at::ScalarType type, const char* op, F&& f) {
+  switch (type) {
+    case at::kChar: f(static_cast<int8_t*>(nullptr)); break;
+    case at::kFloat8_e4m3fn: f(static_cast<c10::Float8_e4m3fn*>(nullptr)); break;
+    case at::kFloat8_e5m2: f(static_cast<c10::Float8_e5m2*>(nullptr)); break;
+    default: TORCH_CHECK(false, op, ": a quantized KV cache must be int8, float8_e4m3fn or float8_e5m2");
+  }
+}
+
+// Checks a quantized cache's scales: int8's [Hkv, NB, BS] float32 (stride 1 per row), fp8's one float32 (stride 0).
+inline int64_t check_kv_scales(const at::Tensor& cache, const at::Tensor& k_scale, const at::Tensor& v_scale, const char* op) {
+  for (const auto* s : {&k_scale, &v_scale})
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous(), op, ": KV scales must be contiguous float32");
+  if (cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(k_scale.dim() == 3 && k_scale.sizes() == cache.sizes().slice(0, 3) && v_scale.sizes() == k_scale.sizes(), op,
+                ": int8 KV scales must be [Hkv, blocks, block_size], as the cache's first three dims");
+    return 1;
+  }
+  TORCH_CHECK(k_scale.numel() == 1 && v_scale.numel() == 1, op, ": fp8 KV scales must hold one value each (per tensor)");
+  return 0;
 }
 
 // The vector code a build runs, as the kernels' `vector_isa` op reports it (tests check it).

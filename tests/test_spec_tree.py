@@ -1,0 +1,159 @@
+"""Token trees (spec_decode/tree.py) with Medusa heads: the tree shapes and their checks, tree attention
+on the PyTorch reference backend against plain masked attention, the kept path's rule, and greedy and
+seeded decoding with trees giving exactly the tokens of decoding without speculation (batches mixing
+speculating and plain requests, prompt chunks, preemption, prefix caching), with no KV blocks held after."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill import SamplingParams
+from tokenmill.config import SpeculativeConfig
+from tokenmill.kernels import cpu
+from tokenmill.layers.attention import TorchPagedAttention
+from tokenmill.layers.attention_metadata import AttentionGroup
+from tokenmill.spec_decode.tree import TokenTree, tree_layout
+from tokenmill.spec_decode.verify import kept_tree_rows
+
+from test_medusa import heads_folder, model_dims, random_heads, target_lm_head
+from test_spec_decode import assert_no_blocks_held, assert_same_outputs, tiny_llm, token_prompts
+
+
+def test_tree_shapes():
+    tree = TokenTree.of_width(3, 2)
+    assert tree.paths == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1))
+    assert tree.parents() == [-1, -1, 0, 0, 2, 2] and tree.depth == 3
+    assert tree.num_nodes_within(2) == 4  # a prefix of the nodes
+    heads, ranks = tree.heads_and_ranks()
+    assert heads.tolist() == [0, 0, 1, 1, 2, 2] and ranks.tolist() == [0, 1, 0, 1, 0, 1]
+    depth, mask = tree_layout(np.array(tree.parents()), np.zeros(6, dtype=np.int64))
+    assert depth.tolist() == [1, 1, 2, 2, 3, 3] and mask.tolist() == [0b1, 0b10, 0b101, 0b1001, 0b10101, 0b100101]
+    assert TokenTree.of_width(3, 1).is_chain
+
+
+def test_tree_config_errors():
+    medusa = {"method": "medusa", "model": "heads"}
+    assert SpeculativeConfig.from_dict({**medusa, "tree": [[0], [1], [0, 0]]}).num_speculative_tokens == 2  # the tree's depth
+    assert SpeculativeConfig.from_dict({**medusa, "tree_width": 1}).token_tree() is None  # a chain
+    for bad, message in [
+        ({**medusa, "tree": [[0], [1, 0]]}, r"tree path \[1, 0\] has no parent: add \[1\]"),
+        ({**medusa, "tree": [[0], [0]]}, r"lists path \[0\] twice"),
+        ({**medusa, "tree": [[0], [-1]]}, "candidate ranks >= 0"),
+        ({**medusa, "tree": []}, "non-empty list of paths"),
+        ({**medusa, "tree": [[0], [0, 0]], "num_speculative_tokens": 3}, "the tree is 2 deep"),
+        ({**medusa, "tree": [[0]], "tree_width": 2}, 'give "tree" or "tree_width", not both'),
+        ({**medusa, "tree_width": 0}, "tree_width must be an integer >= 1"),
+        ({**medusa, "tree_width": 30, "num_speculative_tokens": 3}, "<= 64"),
+        ({"method": "ngram", "tree_width": 2}, '"tree" and "tree_width" belong to the medusa'),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.from_dict(bad)
+
+
+def test_kept_path_is_the_longest_agreeing_one():
+    tree = [10, 11, 20, 21, 30, 31]  # TokenTree.of_width(3, 2)'s nodes
+    parents = [-1, -1, 0, 0, 2, 2]
+    # Rows: the root, then one per node. The root samples 10 (node 0 kept), node 0's row samples 21 (node 3
+    # kept), node 3's row samples 8 (no child): kept rows 0, 1, 4, tokens 10, 21, 8.
+    sampled_a = [10, 21, 5, 5, 8, 5, 5]
+    # A chain beside it (no parents): drafts 1, 2, 3, the model agrees with 1 and 2.
+    sampled_b = [1, 2, 9, 9]
+    # The root samples 11 (node 1, a leaf, kept), then 40 after it.
+    sampled_c = [11, 5, 40, 5, 5, 5, 5]
+    got = kept_tree_rows(np.array(sampled_a + sampled_b + sampled_c), [tree, [1, 2, 3], tree], [parents, [], parents])
+    assert got == [[0, 1, 4], [0, 1, 2], [0, 2]]
+
+
+def test_reference_backend_tree_attention_matches_masked_attention():
+    """The PyTorch backend's decode path (the reference, and every non-CPU device's) with tree masks."""
+    if not cpu.cpu_kernels_available():
+        pytest.skip("the case is built with the kernels' write_kv")
+    from test_kernel_shapes import tree_attention_case
+
+    for window in (None, 30):
+        i, want = tree_attention_case(torch.float32, 64, 3, window, seed=1)
+        rows = i["token_rows"]
+        group = AttentionGroup(token_index=rows[:, None], block_table=i["block_table"], query_pos=i["positions"][:, None],
+                               tree_start=i["tree_start"], tree_mask=i["tree_mask"])
+        out = torch.zeros(len(rows) + 1, *i["q"].shape[1:])
+        TorchPagedAttention.decode(i["q"], i["k_cache"], i["v_cache"], group, out, i["scale"], window, None)
+        torch.testing.assert_close(out[:-1], want, atol=1e-5, rtol=1e-5)
+
+
+def tree_config(folder: str, **tree) -> dict:
+    return {"method": "medusa", "model": folder, "disable_by_batch_size": None, **tree}
+
+
+@pytest.mark.parametrize("model, shared, tree", [
+    ("llama_gqa", False, {"tree_width": 3, "num_speculative_tokens": 3}),
+    ("llama_gqa", True, {"tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2, 0], [0, 0, 0, 0]]}),
+    ("qwen2", True, {"tree_width": 2, "num_speculative_tokens": 3}),
+    ("gpt2", False, {"tree_width": 2, "num_speculative_tokens": 2}),
+])
+def test_greedy_with_medusa_trees_equals_decoding_without(tiny_model_factory, tmp_path, model, shared, tree):
+    folder = tiny_model_factory(model)
+    hidden, vocab = model_dims(folder)
+    heads = heads_folder(tmp_path, random_heads(hidden, vocab, num_heads=4, lm_head=target_lm_head(folder), shared=shared))
+    prompts = token_prompts(6, seed=1)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=tree_config(heads, **tree))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_same_outputs(reference, outputs)
+    stats = llm.llm_engine.stats().spec_decode
+    assert stats.num_draft_tokens > 0
+    if model != "gpt2":  # (random heads on the tiny GPT-2 guess nothing right: only its outputs are checked)
+        assert stats.num_accepted_tokens > 0
+    assert_no_blocks_held(llm)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_medusa_trees_with_sampling_chunks_preemption_and_prefix_caching(tiny_model_factory, tmp_path, shared):
+    """Greedy and seeded sampling (n > 1, logprobs), a structured-output-free mix where some requests cannot
+    speculate (max_tokens 1), a small token budget (prompt chunks, trees cut short) and a KV cache too
+    small for the batch (preemption): the outputs of decoding without speculation."""
+    folder = tiny_model_factory("llama_gqa")
+    hidden, vocab = model_dims(folder)
+    heads = heads_folder(tmp_path, random_heads(hidden, vocab, num_heads=4, lm_head=target_lm_head(folder), shared=shared))
+    prompts = token_prompts(8, seed=4)
+    prompts += [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + [5, 6, 7]}]  # shares a prefix
+    params = [SamplingParams(max_tokens=30, temperature=0.0)] * 5 + [
+        SamplingParams(max_tokens=30, temperature=0.9, seed=11),
+        SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, n=2, seed=12),
+        SamplingParams(max_tokens=1, temperature=0.0),  # never speculates
+        SamplingParams(max_tokens=30, temperature=0.0, logprobs=2),
+    ]
+    tight = dict(num_kv_blocks=18, block_size=4, max_num_batched_tokens=24)
+    reference = tiny_llm(folder, **tight).generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=tree_config(heads, tree_width=3, num_speculative_tokens=3), **tight)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_same_outputs(reference, outputs)
+    for ref, out in zip(reference, outputs):  # each kept token's logprobs are its own row's
+        if ref.outputs[0].logprobs is not None:
+            for want, got in zip(ref.outputs[0].logprobs, out.outputs[0].logprobs, strict=True):
+                assert list(got) == list(want)
+                assert [g.logprob for g in got.values()] == pytest.approx([w.logprob for w in want.values()], abs=1e-4)
+    stats = llm.llm_engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.spec_decode.num_draft_tokens > 0 and stats.spec_decode.num_accepted_tokens > 0
+    assert len(stats.spec_decode.accepted_per_pos) == 3  # per depth, not per node
+    assert_no_blocks_held(llm)
+
+
+@pytest.mark.slow
+def test_medusa_trees_under_tensor_parallelism(tiny_model_factory, tmp_path):
+    """The kept path's KV moves on every rank (rank 0 announces the move): outputs as without speculation."""
+    folder = tiny_model_factory("llama_gqa")
+    hidden, vocab = model_dims(folder)
+    heads = heads_folder(tmp_path, random_heads(hidden, vocab, lm_head=target_lm_head(folder), shared=True))
+    prompts = token_prompts(4, seed=5)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=tree_config(heads, tree_width=3, num_speculative_tokens=3), tensor_parallel_size=2)
+    try:
+        assert_same_outputs(reference, llm.generate(prompts, params, use_tqdm=False))
+        assert llm.llm_engine.stats().spec_decode.num_accepted_tokens > 0
+    finally:
+        llm.llm_engine.shutdown()
