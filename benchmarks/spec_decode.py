@@ -2,7 +2,8 @@
 against decoding without speculation in the same run (the README's speculative decoding table).
 
     python benchmarks/spec_decode.py [--model PATH] [--dtype auto] [--rounds 3] [--dataset edit] [--num-prompts 4]
-                                     [--configs "none,ngram k4,self int4 k3"] [--medusa HEADS] [--json out.json]
+                                     [--configs "none,ngram k4,self int4 k3"] [--medusa HEADS] [--eagle HEAD]
+                                     [--json out.json]
 
 Each configuration runs `tokenmill bench throughput --num-prompts 1` once per prompt (one request at a
 time: the single-request latency speculation is for) in a process of its own, greedy, stopping at EOS;
@@ -42,6 +43,11 @@ CONFIGS = {
     "medusa k3 w4": {"method": "medusa", "num_speculative_tokens": 3, "tree_width": 4},
     # A sparse tree in the style of Medusa's medusa_choices: more candidates where the guesses are better.
     "medusa tree10": {"method": "medusa", "tree": [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [0, 2], [0, 0, 0], [0, 0, 1]]},
+    # An EAGLE head from --eagle (e.g. `tokenmill train-eagle --output head/`).
+    "eagle k1": {"method": "eagle", "num_speculative_tokens": 1},
+    "eagle k2": {"method": "eagle", "num_speculative_tokens": 2},
+    "eagle k3": {"method": "eagle", "num_speculative_tokens": 3},
+    "eagle k4": {"method": "eagle", "num_speculative_tokens": 4},
 }
 
 
@@ -55,6 +61,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=160)
     parser.add_argument("--configs", default="none,ngram k4,self int8 k3,self int4 k3")
     parser.add_argument("--medusa", default=None, help="the Medusa heads' folder, for the medusa configs")
+    parser.add_argument("--eagle", default=None, help="the EAGLE head's folder, for the eagle configs")
     parser.add_argument("--output-len", type=int, default=None, help="tokens per request (default: the dataset's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -66,6 +73,8 @@ def main() -> None:
         names.insert(0, "none")
     if any(name.startswith("medusa") for name in names) and not args.medusa:
         parser.error("the medusa configs need --medusa HEADS_FOLDER")
+    if any(name.startswith("eagle") for name in names) and not args.eagle:
+        parser.error("the eagle configs need --eagle HEAD_FOLDER")
     common = ["throughput", "--dataset", args.dataset, "--num-prompts", "1", "--input-len", str(args.input_len),
               "--no-ignore-eos", "--dtype", args.dtype, "--disable-tqdm"] + (["--model", args.model] if args.model else [])
     if args.output_len is not None:
@@ -75,8 +84,8 @@ def main() -> None:
         for seed in range(args.num_prompts):
             for name in names:
                 spec = CONFIGS[name]
-                if spec is not None and spec["method"] == "medusa":
-                    spec = {**spec, "model": args.medusa}
+                if spec is not None and spec["method"] in ("medusa", "eagle"):
+                    spec = {**spec, "model": args.medusa if spec["method"] == "medusa" else args.eagle}
                 extra = ["--seed", str(seed)] + (["--speculative-config", json.dumps(spec)] if spec else [])
                 result = _bench([*common, *extra])["tokenmill"]
                 row = rows[name]

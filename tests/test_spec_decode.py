@@ -80,10 +80,10 @@ def test_spec_stats_per_position():
 
 
 def test_speculative_config_errors_name_what_is_supported():
-    with pytest.raises(ValueError, match="unknown speculative method 'nope'; supported: ngram, draft_model, medusa"):
+    with pytest.raises(ValueError, match="unknown speculative method 'nope'; supported: ngram, draft_model, medusa, eagle"):
         SpeculativeConfig(method="nope")
-    with pytest.raises(ValueError, match="'eagle' is not supported yet; supported: ngram, draft_model, medusa"):
-        SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'eagle3' is not supported yet; supported: ngram, draft_model, medusa, eagle"):
+        SpeculativeConfig.from_dict({"method": "eagle3", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
@@ -291,7 +291,7 @@ def test_a_separate_draft_model(tiny_model_factory):
 def test_draft_model_errors_name_the_problem(tiny_model_factory, wide_tiny_llama):
     with pytest.raises(ValueError, match='needs "model"'):
         SpeculativeConfig(method="draft_model")
-    with pytest.raises(ValueError, match="belong to the draft_model and medusa methods"):
+    with pytest.raises(ValueError, match="belong to the draft_model, medusa and eagle methods"):
         SpeculativeConfig(method="ngram", model="self")
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         SpeculativeConfig(method="draft_model", model="self", quantization="int3")
@@ -413,8 +413,8 @@ def test_speculative_config_from_the_command_line():
 
     args = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}'])
     assert engine_config_from_args(args).speculative == SpeculativeConfig(num_speculative_tokens=5)
-    args = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"method": "eagle"}'])
-    with pytest.raises(ValueError, match="'eagle' is not supported yet"):
+    args = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"method": "eagle3"}'])
+    with pytest.raises(ValueError, match="'eagle3' is not supported yet"):
         engine_config_from_args(args)
 
 

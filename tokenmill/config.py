@@ -175,10 +175,10 @@ class StructuredOutputsConfig:
             raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle")
 TREE_METHODS = ("medusa",)  # proposers that draft token trees
 # vLLM's names for proposers tokenmill does not run yet: refused by name rather than as unknown.
-_SPECULATIVE_NOT_YET = ("eagle", "eagle3", "mtp")
+_SPECULATIVE_NOT_YET = ("eagle3", "mtp")
 
 
 @dataclass
@@ -196,6 +196,7 @@ class SpeculativeConfig:
     # draft_model: the draft's folder or .gguf file, or "self" for the target's own weights, and the
     # draft's weight quantization ("self" defaults to int8: a quantized copy of the target as its draft).
     # medusa: the Medusa heads' folder (FasterDecoding's layout, or what `tokenmill train-medusa` writes).
+    # eagle: the EAGLE draft head's folder (EAGLE-1/2's layout, or what `tokenmill train-eagle` writes).
     model: str | None = None
     quantization: str | None = None
     quantization_options: dict | None = None
@@ -229,13 +230,14 @@ class SpeculativeConfig:
                 # Group 32: the closest int4 copy (group 128 costs SmolLM2 far more perplexity; see the README).
                 self.quantization_options = {"group_size": 32}
             check_quantization(self.quantization, self.quantization_options)
-        elif self.method == "medusa":
+        elif self.method in ("medusa", "eagle"):
             if not self.model:
-                raise ValueError('speculative method "medusa" needs "model": the Medusa heads\' folder (`tokenmill train-medusa` makes one)')
+                what = "the Medusa heads' folder (`tokenmill train-medusa`" if self.method == "medusa" else "the EAGLE head's folder (`tokenmill train-eagle`"
+                raise ValueError(f'speculative method "{self.method}" needs "model": {what} makes one)')
             if self.quantization is not None or self.quantization_options is not None:
-                raise ValueError('"quantization" belongs to the draft_model method, not "medusa"')
+                raise ValueError(f'"quantization" belongs to the draft_model method, not "{self.method}"')
         elif self.model is not None or self.quantization is not None or self.quantization_options is not None:
-            raise ValueError(f'"model" and "quantization" belong to the draft_model and medusa methods, not {self.method!r}')
+            raise ValueError(f'"model" and "quantization" belong to the draft_model, medusa and eagle methods, not {self.method!r}')
         if (self.tree is not None or self.tree_width is not None) and self.method not in TREE_METHODS:
             raise ValueError(f'"tree" and "tree_width" belong to the {" and ".join(TREE_METHODS)} method(s), not {self.method!r}')
         if self.tree is not None and self.tree_width is not None:

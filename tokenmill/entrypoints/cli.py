@@ -1,4 +1,4 @@
-"""`tokenmill generate | chat | serve | bench | train-medusa`: the command line."""
+"""`tokenmill generate | chat | serve | bench | train-medusa | train-eagle`: the command line."""
 
 from __future__ import annotations
 
@@ -226,14 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--verbose", "-v", action="store_true", help="log build details to stderr")
     kernels.set_defaults(func=cmd_build_kernels)
 
-    # serve, bench and train-medusa live with their code; each registers its own subcommand.
+    # serve, bench, train-medusa and train-eagle live with their code; each registers its own subcommand.
     from tokenmill.bench.cli import add_bench_parser
     from tokenmill.entrypoints.openai.cli_args import add_serve_parser
-    from tokenmill.training.cli import add_train_medusa_parser
+    from tokenmill.training.cli import add_train_eagle_parser, add_train_medusa_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_train_medusa_parser(sub, _add_engine_args)
+    add_train_eagle_parser(sub, _add_engine_args)
     return parser
 
 

@@ -29,12 +29,7 @@ def load_medusa_heads(path: str, hidden_size: int, vocab_size: int, device: torc
     weights = next((os.path.join(path, name) for name in WEIGHT_FILES if os.path.isfile(os.path.join(path, name))), None)
     if weights is None:
         raise ModelLoadError(f"{path}: no Medusa weights ({' or '.join(WEIGHT_FILES)})")
-    if weights.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(weights)
-    else:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
+    state = load_state_file(weights)
     shared = config.get("medusa_lm_head") == "shared"
     heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers, shared_lm_head=shared)
     try:
@@ -43,6 +38,15 @@ def load_medusa_heads(path: str, hidden_size: int, vocab_size: int, device: torc
         raise ModelLoadError(f"{weights}: {exc.args[0]} (heads for another model? this one has hidden size "
                              f"{hidden_size} and {vocab_size} tokens)") from None
     return heads.to(device=device, dtype=dtype).eval()
+
+
+def load_state_file(path: str) -> dict[str, torch.Tensor]:
+    """A head's whole state dict from a .safetensors file or a torch one (.pt, .bin)."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def save_medusa_heads(heads: MedusaHeads, path: str, base_model: str) -> None:

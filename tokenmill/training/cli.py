@@ -1,4 +1,5 @@
-"""`tokenmill train-medusa`: Medusa heads for a model, trained on its own answers to chat prompts."""
+"""`tokenmill train-medusa` / `train-eagle`: Medusa heads or an EAGLE draft head for a model, trained on its own
+answers to chat prompts."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 from collections.abc import Callable
 
 from tokenmill.bench.datasets import CHAT_TRAIN_PROMPTS
+from tokenmill.training.eagle import EagleTrainingConfig
 from tokenmill.training.medusa import MedusaTrainingConfig
 
 
@@ -32,22 +34,15 @@ def add_train_medusa_parser(sub, add_engine_args: Callable[[argparse.ArgumentPar
 
 
 def cmd_train_medusa(args: argparse.Namespace) -> None:
-    from tokenmill.entrypoints.cli import engine_config_from_args
-    from tokenmill.llm import LLM
     from tokenmill.loader.medusa import save_medusa_heads
     from tokenmill.training.medusa import chat_prompts, train_medusa_heads
 
-    for flag, value, low in (("--num-prompts", args.num_prompts, 1), ("--num-heads", args.num_heads, 1), ("--num-layers", args.num_layers, 1),
-                             ("--max-tokens", args.max_tokens, 3), ("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1)):
-        if value < low:
-            raise ValueError(f"{flag} must be at least {low}, got {value}")
+    _check_at_least(("--num-prompts", args.num_prompts, 1), ("--num-heads", args.num_heads, 1), ("--num-layers", args.num_layers, 1),
+                    ("--max-tokens", args.max_tokens, 3), ("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1))
     config = MedusaTrainingConfig(num_heads=args.num_heads, num_layers=args.num_layers, max_tokens=args.max_tokens,
                                   temperature=args.temperature, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                   shared_lm_head=not args.own_lm_heads)
-    engine_config = engine_config_from_args(args)
-    if engine_config.speculative is not None or engine_config.parallel.data_parallel_size > 1:
-        raise ValueError("train-medusa runs one engine without speculative decoding: drop --speculative-config and --data-parallel-size")
-    llm = LLM.from_config(engine_config)
+    llm = _generating_llm(args, "train-medusa")
     prompts = chat_prompts(llm.get_tokenizer(), args.prompts_file, args.num_prompts)
     heads, report = train_medusa_heads(llm, prompts, config)
     save_medusa_heads(heads, args.output, base_model=llm.llm_engine.model_name)
@@ -57,3 +52,59 @@ def cmd_train_medusa(args: argparse.Namespace) -> None:
           f"{accuracy or 'n/a'}; written to {args.output}")
     print(f"use them with --speculative-config '{{\"method\": \"medusa\", \"model\": \"{args.output}\", "
           f"\"num_speculative_tokens\": {len(heads.heads)}}}'")
+
+
+def add_train_eagle_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    defaults = EagleTrainingConfig()
+    parser = sub.add_parser("train-eagle", help="train an EAGLE draft head for a model on its own generations (self-distillation)")
+    parser.add_argument("--output", "-o", required=True, help="folder to write the head to (config.json, model.safetensors)")
+    parser.add_argument("--prompts-file", default=None, help="prompts, one per line (default: the package's chat prompts)")
+    parser.add_argument("--num-prompts", type=int, default=CHAT_TRAIN_PROMPTS, help="prompts to generate from")
+    parser.add_argument("--num-layers", type=int, default=defaults.num_layers, help="decoder layers of the head")
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="tokens generated per prompt")
+    parser.add_argument("--temperature", type=float, default=defaults.temperature, help="of the generation")
+    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    parser.add_argument("--tokens-per-step", type=int, default=defaults.tokens_per_step, help="positions per optimizer step")
+    parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
+                        help="tokens the drafts may take, the most frequent in the generated text (0: the whole vocabulary)")
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    add_engine_args(parser)
+    parser.set_defaults(func=cmd_train_eagle)
+
+
+def cmd_train_eagle(args: argparse.Namespace) -> None:
+    from tokenmill.loader.eagle import save_eagle_head
+    from tokenmill.training.eagle import train_eagle_head
+    from tokenmill.training.selfdistill import chat_prompts
+
+    _check_at_least(("--num-prompts", args.num_prompts, 1), ("--num-layers", args.num_layers, 1), ("--max-tokens", args.max_tokens, 3),
+                    ("--epochs", args.epochs, 1), ("--tokens-per-step", args.tokens_per_step, 1), ("--draft-vocab", args.draft_vocab, 0))
+    config = EagleTrainingConfig(num_layers=args.num_layers, max_tokens=args.max_tokens, temperature=args.temperature, epochs=args.epochs,
+                                 tokens_per_step=args.tokens_per_step, lr=args.lr, draft_vocab=args.draft_vocab, seed=args.seed)
+    llm = _generating_llm(args, "train-eagle")
+    prompts = chat_prompts(llm.get_tokenizer(), args.prompts_file, args.num_prompts)
+    head, report = train_eagle_head(llm, prompts, config)
+    save_eagle_head(head.eagle_state_dict(), {**head.eagle_config(), "base_model_name_or_path": llm.llm_engine.model_name}, args.output)
+    accuracy = "n/a" if report.accuracy is None else f"{report.accuracy:.1%} (the draft vocabulary holds {report.vocab_coverage:.1%} of the tokens)"
+    print(f"trained an EAGLE head ({args.num_layers} layer(s)) on {report.num_positions} positions of {report.num_sequences} generated "
+          f"sequences (generation {report.generate_s:.0f} s, training {report.train_s:.0f} s); held-out top-1 accuracy of the "
+          f"first draft: {accuracy}; written to {args.output}")
+    print(f"use it with --speculative-config '{{\"method\": \"eagle\", \"model\": \"{args.output}\", \"num_speculative_tokens\": 3}}'")
+
+
+def _check_at_least(*flags: tuple[str, int, int]) -> None:
+    for flag, value, low in flags:
+        if value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+
+
+def _generating_llm(args: argparse.Namespace, command: str):
+    """The engine the training data comes from: one, without speculative decoding."""
+    from tokenmill.entrypoints.cli import engine_config_from_args
+    from tokenmill.llm import LLM
+
+    engine_config = engine_config_from_args(args)
+    if engine_config.speculative is not None or engine_config.parallel.data_parallel_size > 1:
+        raise ValueError(f"{command} runs one engine without speculative decoding: drop --speculative-config and --data-parallel-size")
+    return LLM.from_config(engine_config)

@@ -24,10 +24,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from tokenmill.bench.datasets import chat_prompt_lines, chat_request
 from tokenmill.loader import load_model_source
 from tokenmill.models.medusa import MedusaHeads
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.training.selfdistill import HiddenStateCollector, chat_prompts, generate_with_states, target_lm_head
+
+__all__ = ["MedusaTrainingConfig", "MedusaTrainingReport", "build_examples", "train_medusa_heads", "HiddenStateCollector",
+           "chat_prompts", "target_lm_head"]
 
 
 @dataclass
@@ -57,45 +59,6 @@ class MedusaTrainingReport:
     accuracy: list[float] = field(default_factory=list)  # per head, top-1 on the held-out positions
 
 
-class HiddenStateCollector:
-    """A ModelRunner hidden_observer that keeps every computed position's final hidden state, per request."""
-
-    def __init__(self) -> None:
-        self.rows: dict[str, dict[int, torch.Tensor]] = {}
-
-    def __call__(self, chunks, hidden: torch.Tensor, sampled) -> None:
-        offset = 0
-        for chunk in chunks:
-            n = len(chunk.token_ids)
-            states = hidden[offset : offset + n].float().cpu()
-            per_request = self.rows.setdefault(chunk.request_id, {})
-            for j in range(n):  # a recomputed (preempted) position overwrites its earlier row: the same state
-                per_request[chunk.start_pos + j] = states[j]
-            offset += n
-
-    def sequence(self, request_id: str, start: int, end: int) -> torch.Tensor:
-        """The hidden states of positions start..end-1 of a request, [end - start, hidden] (positions a
-        prefix-cache hit skipped are not there: ask only from the last prompt token on, always computed)."""
-        rows = self.rows[request_id]
-        return torch.stack([rows[p] for p in range(start, end)])
-
-
-def target_lm_head(weights, hf_config) -> torch.Tensor:
-    """The target's LM head weight from its checkpoint (the input embedding when the two are tied)."""
-    heads, embeddings = {}, {}
-    for name, tensor in weights:
-        if name in ("lm_head.weight",):
-            heads[name] = tensor
-        elif name.endswith(("embed_tokens.weight", "wte.weight")):
-            embeddings[name] = tensor
-    found = heads.get("lm_head.weight")
-    if found is None or getattr(hf_config, "tie_word_embeddings", False) and embeddings:
-        found = next(iter(embeddings.values()), found)
-    if found is None:
-        raise ValueError("could not find the model's LM head (lm_head.weight or a tied embedding) in its checkpoint")
-    return found.float()
-
-
 def build_examples(collector: HiddenStateCollector, outputs, num_heads: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per sequence: hidden states of its generated positions [n, hidden] and their targets [n, num_heads]
     (head i: the token 2 + i positions ahead; -100 past the end)."""
@@ -117,20 +80,8 @@ def build_examples(collector: HiddenStateCollector, outputs, num_heads: int) -> 
 def train_medusa_heads(llm, prompts: Sequence, config: MedusaTrainingConfig, use_tqdm: bool = True) -> tuple[MedusaHeads, MedusaTrainingReport]:
     """Generate with `llm` (an LLM: one engine, any tensor_parallel_size) from `prompts`, then train heads."""
     engine = llm.llm_engine
-    runner = getattr(getattr(engine, "executor", None), "driver_runner", None)
-    if runner is None:
-        raise ValueError("train-medusa runs one engine: drop data_parallel_size")
-    if runner.hidden_observer is not None:
-        raise ValueError("train-medusa needs the engine without speculative decoding")
-    collector = HiddenStateCollector()
-    runner.hidden_observer = collector
-    start = time.perf_counter()
-    try:
-        params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, seed=config.seed)
-        outputs = llm.generate(list(prompts), params, use_tqdm=use_tqdm)
-    finally:
-        runner.hidden_observer = None
-    generate_s = time.perf_counter() - start
+    collector, outputs, generate_s = generate_with_states(llm, prompts, config.max_tokens, config.temperature, config.seed, use_tqdm,
+                                                          "train-medusa")
 
     hiddens, targets = build_examples(collector, outputs, config.num_heads)
     if not hiddens:
@@ -192,16 +143,3 @@ def train_medusa_heads(llm, prompts: Sequence, config: MedusaTrainingConfig, use
                 accuracy.append(float((head(held_h[valid], shared).argmax(-1) == held_t[valid, i]).float().mean()) if valid.any() else 0.0)
     report = MedusaTrainingReport(len(hiddens), int(sum(len(h) for h in hiddens)), generate_s, train_s, accuracy)
     return heads, report
-
-
-def chat_prompts(tokenizer, path: str | None = None, count: int | None = None) -> list:
-    """The first `count` prompts of a file (one per line; default: the package's chat prompts, whose first
-    CHAT_TRAIN_PROMPTS are for training), in the model's chat template when it has one."""
-    lines = chat_prompt_lines(path)[:count]
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        return lines
-    prompts = []
-    for line in lines:
-        text, ids = chat_request(tokenizer, line)
-        prompts.append({"prompt": text, "prompt_token_ids": ids})
-    return prompts

@@ -47,10 +47,12 @@ def _tokens(chunk: ScheduledChunk, start: int, end: int) -> list[int]:
     return prompt[start:end] + output[max(0, start - num_prompt) : max(0, end - num_prompt)]
 
 
-class DraftModelProposer:
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self._states: dict[str, _DraftState] = {}
+class RunnerBackedProposer:
+    """What a proposer with a KV cache of its own (`runner`'s) and per-request state (`_states`) answers the
+    worker: the draft model's, and the EAGLE head's (worker/eagle_proposer.py)."""
+
+    runner: ModelRunner
+    _states: dict
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
@@ -70,6 +72,12 @@ class DraftModelProposer:
         """Drop what the draft knows of every request not among these (the engine's live ones)."""
         for request_id in [r for r in self._states if r not in request_ids]:
             del self._states[request_id]
+
+
+class DraftModelProposer(RunnerBackedProposer):
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._states: dict[str, _DraftState] = {}
 
     @torch.inference_mode()
     def fill(self, chunks: list[ScheduledChunk]) -> None:

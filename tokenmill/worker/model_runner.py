@@ -52,9 +52,10 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.num_blocks = 0
-        # Called after each pass that samples with (chunks, hidden states of the batch, each chunk's kept
-        # tokens): the medusa proposer drafts from the rows that sampled (worker/medusa_proposer.py), and
-        # train-medusa keeps every row.
+        # Called after each pass with (chunks, hidden states of the batch, each chunk's kept tokens, empty
+        # where it did not sample): the medusa proposer drafts from the rows that sampled
+        # (worker/medusa_proposer.py), the eagle proposer keeps every kept row's state
+        # (worker/eagle_proposer.py), and train-medusa / train-eagle keep every row.
         self.hidden_observer: Callable[[list[ScheduledChunk], torch.Tensor, list[list[int]]], None] | None = None
         # Medusa heads that share the target's LM head: rows_for_logits(hidden of the sampling rows) gives
         # rows appended to the target's logits matmul (its weight read once for all), and their logits go
@@ -132,6 +133,8 @@ class ModelRunner:
         self._prompt_logprobs(chunks, hidden, result)
         sampling = [i for i, c in enumerate(chunks) if c.sample]
         if not sampling:
+            if self.hidden_observer is not None:  # prompt chunks' states too (EAGLE's draft reads every position)
+                self.hidden_observer(chunks, hidden, result.sampled_token_ids)
             return result
         rows = [row for i in sampling for row in chunks[i].sampling_rows()]
         extra = None if self.extra_logits_rows is None else self.extra_logits_rows(hidden[batch.logits_indices])

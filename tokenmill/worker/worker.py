@@ -23,8 +23,10 @@ from tokenmill.distributed.communicator import TPCommunicator
 from tokenmill.engine.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.layers.quantization import get_quantization_config
 from tokenmill.loader import ModelSource, build_model, load_model_source
+from tokenmill.loader.eagle import load_eagle_head
 from tokenmill.loader.medusa import load_medusa_heads
 from tokenmill.worker.draft_proposer import DraftModelProposer
+from tokenmill.worker.eagle_proposer import EagleProposer
 from tokenmill.worker.medusa_proposer import MedusaProposer
 from tokenmill.worker.model_runner import Followers, ModelRunner
 
@@ -62,13 +64,22 @@ class Worker:
                                   config.cache.kv_cache_dtype, config.cache.cascade_attention)
         self.drafter = self._make_drafter(source, followers)
 
-    def _make_drafter(self, source: ModelSource, followers: Followers | None) -> DraftModelProposer | MedusaProposer | None:
+    def _make_drafter(self, source: ModelSource, followers: Followers | None) -> DraftModelProposer | MedusaProposer | EagleProposer | None:
         """The proposer that drafts on this side: the draft_model proposer's model, built beside the
         target's ("self" is the target's own weights under the draft's quantization), or Medusa heads
-        reading the target's hidden states (on rank 0: only rank 0 samples)."""
+        reading the target's hidden states (on rank 0: only rank 0 samples), or an EAGLE head."""
         spec, draft = self.spec, self.spec.config.speculative
-        if draft is None or draft.method not in ("draft_model", "medusa"):
+        if draft is None or draft.method not in ("draft_model", "medusa", "eagle"):
             return None
+        if draft.method == "eagle":
+            if self.comm.size > 1:
+                raise ValueError('speculative method "eagle" runs without tensor parallelism (tensor_parallel_size 1)')
+            head = load_eagle_head(draft.model, source.hf_config, spec.device, spec.dtype, spec.max_model_len)
+            runner = ModelRunner(head, spec.device, spec.dtype, spec.config.cache.block_size, None, "eagle",
+                                 spec.config.cache.kv_cache_dtype, spec.config.cache.cascade_attention)
+            proposer = EagleProposer(head, self.runner.model, runner, draft.num_speculative_tokens)
+            self.runner.hidden_observer = proposer.observe
+            return proposer
         if draft.method == "medusa":
             if not self.comm.is_driver:
                 return None
@@ -100,7 +111,7 @@ class Worker:
 
     def _runners(self) -> dict[str, ModelRunner]:
         runners = {"target": self.runner}
-        if isinstance(self.drafter, DraftModelProposer):
+        if isinstance(self.drafter, (DraftModelProposer, EagleProposer)):  # a KV cache of their own
             runners["draft"] = self.drafter.runner
         return runners
 

@@ -1,0 +1,199 @@
+"""EAGLE draft heads as a proposer: EAGLE-1/2's checkpoint layout loads (and other layouts are clear
+errors), tokenmill's paged draft layer computes what the plain-PyTorch head computes, and decoding with
+a head (random or briefly trained) gives exactly what decoding without speculation gives (greedy and
+seeded sampling, mixed with requests that do not speculate, prompt chunks, preemption, prefix caching)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tokenmill import SamplingParams
+from tokenmill.engine.messages import ScheduledChunk
+from tokenmill.errors import ModelLoadError
+from tokenmill.loader.eagle import load_eagle_head, save_eagle_head
+from tokenmill.training.eagle import EagleTrainingHead, causal_mask, eagle_layers_config
+from tokenmill.worker.batch import build_batch_inputs
+from tokenmill.worker.model_runner import ModelRunner
+
+from test_spec_decode import assert_no_blocks_held, assert_same_outputs, tiny_llm, token_prompts
+
+
+def hf_config(folder: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def random_head(folder: str, seed: int = 0, num_layers: int = 1) -> EagleTrainingHead:
+    torch.manual_seed(seed)
+    return EagleTrainingHead(eagle_layers_config(hf_config(folder), num_layers)).eval()
+
+
+def head_folder(tmp_path, head: EagleTrainingHead, fmt: str = "safetensors", name: str = "eagle") -> str:
+    path = str(tmp_path / name)
+    save_eagle_head(head.eagle_state_dict(), head.eagle_config(), path)
+    if fmt == "bin":  # EAGLE's own releases: pytorch_model.bin
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(path, "model.safetensors"))
+        torch.save(state, os.path.join(path, "pytorch_model.bin"))
+        os.remove(os.path.join(path, "model.safetensors"))
+    return path
+
+
+def eagle_config(folder: str, k: int = 3) -> dict:
+    return {"method": "eagle", "model": folder, "num_speculative_tokens": k, "disable_by_batch_size": None}
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt, num_layers", [("safetensors", 1), ("bin", 1), ("safetensors", 2)])
+def test_paged_draft_layers_compute_what_the_plain_head_computes(tiny_model_factory, tmp_path, fmt, num_layers):
+    """A head saved under EAGLE's names loads, and tokenmill's layers over the paged KV cache (a prompt in
+    two chunks, then one row) give the plain head's outputs at float32."""
+    folder = tiny_model_factory("llama_gqa")
+    head = random_head(folder, num_layers=num_layers)
+    config = hf_config(folder)
+    draft = load_eagle_head(head_folder(tmp_path, head, fmt), config, torch.device("cpu"), torch.float32, 256)
+    runner = ModelRunner(draft, torch.device("cpu"), torch.float32, block_size=4)
+    runner.allocate_kv_cache(16)
+    torch.manual_seed(1)
+    n, hidden = 11, config.hidden_size
+    embeds, states = torch.randn(n, hidden), torch.randn(n, hidden)
+    with torch.no_grad():
+        expected = head(embeds[None], states[None], torch.arange(n)[None])[0]
+        got = []
+        for lo, hi in ((0, 6), (6, 10), (10, 11)):
+            chunk = ScheduledChunk("r", list(range(lo, hi)), lo, [3, 5, 7], True, SamplingParams(), 0, 0)
+            batch = build_batch_inputs([chunk], 4, torch.device("cpu"))
+            got.append(draft(embeds[lo:hi], states[lo:hi], batch.positions, batch))
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_block_diagonal_mask_keeps_sequences_apart():
+    mask = causal_mask(torch.tensor([[0, 0, 1, 1]]), torch.float32)[0, 0]
+    assert (mask == 0).tolist() == [[True, False, False, False], [True, True, False, False],
+                                    [False, False, True, False], [False, False, True, True]]
+
+
+def test_other_layouts_are_clear_errors(tiny_model_factory, tmp_path):
+    folder = tiny_model_factory("llama_gqa")
+    config, cpu = hf_config(folder), torch.device("cpu")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_eagle_head(str(tmp_path), config, cpu, torch.float32, 64)
+    head = random_head(folder)
+    path = head_folder(tmp_path, head)
+    eagle3 = {"midlayer.self_attn.q_proj.weight": torch.zeros(2, 2), "fc.weight": torch.zeros(2, 6), "d2t": torch.zeros(3)}
+    save_eagle_head(eagle3, head.eagle_config(), str(tmp_path / "e3"))
+    with pytest.raises(ModelLoadError, match="EAGLE-3 draft head"):
+        load_eagle_head(str(tmp_path / "e3"), config, cpu, torch.float32, 64)
+    save_eagle_head({"0.0.linear.weight": torch.zeros(2, 2)}, {"medusa_num_heads": 1}, str(tmp_path / "medusa"))
+    with pytest.raises(ModelLoadError, match="not an EAGLE-1/2 draft head: it needs fc.weight"):
+        load_eagle_head(str(tmp_path / "medusa"), config, cpu, torch.float32, 64)
+    config.hidden_size = 2 * config.hidden_size
+    with pytest.raises(ModelLoadError, match="a head for another model"):
+        load_eagle_head(path, config, cpu, torch.float32, 64)
+    config.hidden_size //= 2
+    state = head.eagle_state_dict()
+    del state["layers.0.mlp.down_proj.weight"]
+    save_eagle_head(state, head.eagle_config(), str(tmp_path / "partial"))
+    with pytest.raises(ModelLoadError, match="lacks 1 weights the model needs: layers.0.mlp.down_proj.weight"):
+        load_eagle_head(str(tmp_path / "partial"), config, cpu, torch.float32, 64)
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["num_hidden_layers"] == 1
+
+
+def test_eagle_config_errors(tiny_model_factory, tmp_path):
+    from tokenmill.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match='"eagle" needs "model"'):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match='"quantization" belongs to the draft_model method, not "eagle"'):
+        SpeculativeConfig(method="eagle", model="x", quantization="int8")
+    gpt2 = tiny_model_factory("gpt2")
+    with pytest.raises(ValueError, match="needs a Llama-family model"):
+        tiny_llm(gpt2, speculative_config=eagle_config(head_folder(tmp_path, random_head(tiny_model_factory("llama_gqa")))))
+
+
+# -- end to end ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["llama_gqa", "llama_mqa_tied", "qwen2"])
+def test_greedy_with_eagle_equals_decoding_without(tiny_model_factory, tmp_path, model):
+    folder = tiny_model_factory(model)
+    heads = head_folder(tmp_path, random_head(folder))
+    prompts = token_prompts(6, seed=1)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=eagle_config(heads))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_same_outputs(reference, outputs)
+    assert llm.llm_engine.stats().spec_decode.num_draft_tokens > 0
+    assert_no_blocks_held(llm)
+
+
+def test_eagle_with_sampling_chunks_preemption_and_prefix_caching(tiny_model_factory, tmp_path):
+    """Seeded sampling (n > 1 too), greedy requests with logprobs, a small token budget (prompts
+    chunked) and a KV cache too small for the batch (preemption): the outputs of decoding without speculation."""
+    folder = tiny_model_factory("llama_gqa")
+    heads = head_folder(tmp_path, random_head(folder, num_layers=2))
+    prompts = token_prompts(7, seed=4)
+    prompts += [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + [5, 6, 7]}]  # shares a prefix
+    params = [SamplingParams(max_tokens=30, temperature=0.0)] * 5 + [
+        SamplingParams(max_tokens=30, temperature=0.9, seed=11),
+        SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, n=2, seed=12),
+        SamplingParams(max_tokens=30, temperature=0.0, logprobs=2),
+    ]
+    tight = dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=24)
+    reference = tiny_llm(folder, **tight).generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=eagle_config(heads, k=4), **tight)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_same_outputs(reference, outputs)
+    assert llm.llm_engine.stats().num_preemptions > 0
+    assert llm.llm_engine.stats().spec_decode.num_draft_tokens > 0
+    assert_no_blocks_held(llm)
+
+
+# -- training -----------------------------------------------------------------------------------------
+
+
+def test_trained_head_is_accepted_and_changes_nothing(tiny_model_factory, tmp_path):
+    """train_eagle_head on the tiny model's own greedy continuations (drafts from a 200-token draft
+    vocabulary): decoding the same prompts with the head keeps most first drafts (chained ones too), and
+    gives exactly the tokens of plain decoding, mixed with a request that does not speculate (max_tokens 1)."""
+    from tokenmill.training.eagle import EagleTrainingConfig, train_eagle_head
+
+    folder = tiny_model_factory("llama_gqa")
+    prompts = token_prompts(8, seed=6)
+    prompts[0] = {"prompt_token_ids": [7] * 32 + [3]}
+    prompts.append({"prompt_token_ids": [7] * 32 + [1, 2]})  # shares 32 tokens: a prefix-cache hit skips them
+    config = EagleTrainingConfig(max_tokens=24, epochs=40, tokens_per_step=512, lr=1e-2, held_out=0.0, noise=0.0,
+                                 token_loss_weight=1.0, draft_vocab=200)
+    head, report = train_eagle_head(tiny_llm(folder), prompts, config, use_tqdm=False)
+    assert report.num_sequences == 9 and report.losses[-1] < report.losses[0] / 3
+    path = head_folder(tmp_path, head)
+    draft = load_eagle_head(path, hf_config(folder), torch.device("cpu"), torch.float32, 64)
+    assert draft.draft_vocab.tolist() == head.draft_vocab.tolist() and len(draft.draft_vocab) == 200
+
+    params = [SamplingParams(max_tokens=24, temperature=0.0)] * 8 + [SamplingParams(max_tokens=1, temperature=0.0)]
+    reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=eagle_config(path, k=3))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_same_outputs(reference, outputs)
+    stats = llm.llm_engine.stats().spec_decode
+    assert stats.accepted_per_pos[0] > 0.6 * stats.num_drafts, stats  # the first draft is mostly right
+    assert stats.accepted_per_pos[1] > 0  # and chained drafts are kept too
+    assert_no_blocks_held(llm)
+
+
+def test_train_eagle_command_line(tmp_path, capsys):
+    """Bad flags are one-line errors, before any model loads (the README's SmolLM2 run is the real thing)."""
+    from tokenmill.entrypoints.cli import main
+
+    assert main(["train-eagle", "--output", str(tmp_path / "h"), "--num-layers", "0"]) == 2
+    assert "--num-layers must be at least 1" in capsys.readouterr().err

@@ -1,0 +1,174 @@
+"""The eagle proposer: an EAGLE draft head (models/eagle.py) drafts a chain of k tokens per request
+from the target's final hidden states, in k passes of its own small layer stack.
+
+Draft row i pairs the target's state at position i with the token at i + 1 (EAGLE's own indexing), so
+its KV lives at slot i of the request's blocks (the target's block tables; the scheduler reserved the
+step's slots, and a row index is always below the position whose token it reads). After every
+target pass the runner hands the proposer (observe) the states of the rows it kept, each with the
+token that follows it (the next prompt token, a kept draft, or the newly sampled token): they are
+pending rows of the request, real ones. When the request next decodes with drafts (fill), pass 1
+computes its pending rows (whose states are the target's, so the draft's KV of kept tokens is always
+computed from real states, whatever the draft guessed there) and its last row's guess gives draft 1;
+pass i + 1 reads draft i and the guessed state of pass i at the next slot, k - 1 single-row passes.
+Those speculative rows' KV is overwritten by the real rows of the next fill before any later row
+reads it (attention is causal), so rejections leave nothing stale behind.
+
+Drafts are greedy (the LM head's top-1, over the head's draft vocabulary if it has one: those rows of
+the LM head, prepacked once like the target's own): any draft is safe (verification keeps only what the target
+samples), so sampling requests are exact too, only less often accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from tokenmill.engine.messages import DRAFT_PLACEHOLDER, ScheduledChunk
+from tokenmill.layers.quantization.unquantized import PackedCPUWeight, cpu_packed_weights_supported
+from tokenmill.models.eagle import EagleDraftModel
+from tokenmill.worker.batch import build_batch_inputs
+from tokenmill.worker.draft_proposer import RunnerBackedProposer, _tokens
+from tokenmill.worker.model_runner import ModelRunner
+
+# Pending rows kept per request at most (a request that never drafts, e.g. a beam, would otherwise grow
+# them without end): the oldest go first; their draft KV then stays stale, which costs acceptance only.
+_MAX_PENDING = 4096
+
+
+@dataclass
+class _Pending:
+    """A request's draft rows not computed yet: row `start + j` reads tokens[j] and features[j]."""
+
+    start: int
+    tokens: list[int] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)  # pieces of [rows, hidden], in order
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)  # one past the last row
+
+    def trim(self) -> None:
+        drop = len(self.tokens) - _MAX_PENDING
+        if drop <= 0:
+            return
+        states = torch.cat(self.features)[drop:]
+        self.start, self.tokens, self.features = self.start + drop, self.tokens[drop:], [states]
+
+
+class EagleProposer(RunnerBackedProposer):
+    def __init__(self, draft: EagleDraftModel, target: torch.nn.Module, runner: ModelRunner, num_speculative_tokens: int) -> None:
+        """target: the target model, whose input embedding and LM head the draft uses; runner: the draft's
+        own (its paged KV cache, indexed by the target's block tables)."""
+        embed = getattr(getattr(target, "model", None), "embed_tokens", None)
+        if embed is None or not hasattr(target, "compute_logits"):
+            raise ValueError(f"speculative method \"eagle\" needs a Llama-family model (token embedding and LM head), "
+                             f"not {type(target).__name__}")
+        self.draft = draft
+        self.embed = embed
+        self.target = target
+        self.runner = runner
+        self.k = num_speculative_tokens
+        self._states: dict[str, _Pending] = {}
+        self._vocab_head = _vocab_head(target, draft.draft_vocab)
+
+    # -- after each target pass: the rows it kept become pending draft rows ---------------------------
+    def observe(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, sampled: list[list[int]]) -> None:
+        """hidden [tokens, hidden size] of the whole batch (chunk rows in order); each chunk's kept tokens
+        (empty for chunks that did not sample)."""
+        firsts, counts, owners = [], [], []
+        offset = 0
+        for chunk, kept in zip(chunks, sampled):
+            length = len(chunk.token_ids)
+            if chunk.sample and kept:
+                # The real tokens' rows and the kept drafts' rows; each reads the token after it.
+                count = length - len(chunk.spec_token_ids) + len(kept) - 1
+                following = chunk.token_ids[1:count] + [kept[-1]]
+            elif chunk.sample:
+                count, following = 0, []  # no token came out (cannot happen for a sampling chunk; be safe)
+            else:
+                count = length  # a prompt chunk before the last: every row, and the next prompt token after it
+                following = chunk.token_ids[1:] + _tokens(chunk, chunk.start_pos + length, chunk.start_pos + length + 1)
+            if count and len(following) == count:
+                firsts.append(offset)
+                counts.append(count)
+                owners.append((chunk.request_id, chunk.start_pos, following))
+            offset += length
+        if not owners:
+            return
+        counts_np = np.asarray(counts, dtype=np.int64)
+        index = np.repeat(np.asarray(firsts, dtype=np.int64) - np.cumsum(counts_np) + counts_np, counts_np) + np.arange(int(counts_np.sum()))
+        states = hidden.index_select(0, torch.from_numpy(index).to(hidden.device))
+        for (request_id, start, following), piece in zip(owners, states.split(counts)):
+            pending = self._states.get(request_id)
+            if pending is None or pending.end != start:
+                # First rows, or not contiguous with the earlier ones (a recompute): start over from here.
+                pending = self._states[request_id] = _Pending(start)
+            pending.tokens += following
+            pending.features.append(piece)
+            pending.trim()
+
+    # -- before the step's target pass: drafts into the reserved slots ---------------------------------
+    @torch.inference_mode()
+    def fill(self, chunks: list[ScheduledChunk]) -> None:
+        targets, passes, states = [], [], []
+        for chunk in chunks:
+            k = len(chunk.spec_token_ids)
+            if not k or chunk.spec_token_ids[0] != DRAFT_PLACEHOLDER:
+                continue
+            newest = chunk.start_pos + len(chunk.token_ids) - k - 1  # the position of the request's last token
+            pending = self._states.pop(chunk.request_id, None)
+            if pending is None or pending.end != newest:
+                # No rows up to the last token (a fork's first step): the last token repeated is a safe draft.
+                self._write(chunk, [chunk.token_ids[-k - 1]] * k)
+                continue
+            targets.append(chunk)
+            passes.append(replace(chunk, token_ids=pending.tokens, start_pos=pending.start, spec_token_ids=[], sample=True))
+            states.append(torch.cat(pending.features) if len(pending.features) > 1 else pending.features[0])
+        if not targets:
+            return
+        drafts: list[list[int]] = [[] for _ in targets]
+        rows = list(range(len(targets)))
+        features = torch.cat(states)
+        for i in range(max(len(c.spec_token_ids) for c in targets)):
+            if i:
+                rows = [j for j in rows if len(targets[j].spec_token_ids) > i]
+                keep = [rows_before.index(j) for j in rows]
+                features = guesses[keep]
+                passes = [replace(targets[j], token_ids=[drafts[j][-1]], start_pos=passes_end[j] + i - 1, spec_token_ids=[], sample=True)
+                          for j in rows]
+            else:
+                passes_end = {j: p.start_pos + len(p.token_ids) for j, p in zip(rows, passes)}
+            batch = build_batch_inputs(passes, self.runner.block_size, self.runner.device, self.runner.cascade_attention)
+            out = self.draft(self.embed(batch.input_ids), features, batch.positions, batch)
+            guesses = out[batch.logits_indices]  # each pass's last row: the guessed state after it
+            tokens = self._top1(guesses)
+            for j, token in zip(rows, tokens):
+                drafts[j].append(token)
+            rows_before = rows
+        for chunk, draft in zip(targets, drafts):
+            self._write(chunk, draft)
+
+    def _top1(self, guesses: torch.Tensor) -> list[int]:
+        if self._vocab_head is None:
+            return self.target.compute_logits(guesses).argmax(dim=-1).tolist()
+        return self.draft.draft_vocab[self._vocab_head(guesses).argmax(dim=-1)].tolist()
+
+    @staticmethod
+    def _write(chunk: ScheduledChunk, drafts: list[int]) -> None:
+        k = len(chunk.spec_token_ids)
+        chunk.spec_token_ids[:] = drafts
+        chunk.token_ids[len(chunk.token_ids) - k :] = drafts
+
+
+def _vocab_head(target: torch.nn.Module, draft_vocab: torch.Tensor | None):
+    """The draft vocabulary's rows of the target's LM head as a matmul (None: the whole LM head). Only a
+    full-precision LM head has rows to take; a quantized one is used whole."""
+    weight = getattr(getattr(target, "lm_head", None), "weight", None)
+    if draft_vocab is None or weight is None or not weight.is_floating_point() or weight.dim() != 2 or weight.shape[0] <= int(draft_vocab.max()):
+        return None
+    rows = weight.detach().index_select(0, draft_vocab).contiguous()
+    if cpu_packed_weights_supported(rows.device, rows.dtype):
+        return PackedCPUWeight(rows)
+    return lambda hidden: torch.nn.functional.linear(hidden, rows)
