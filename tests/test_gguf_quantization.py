@@ -95,3 +95,25 @@ def test_smollm2_gguf_greedy_tokens_equal_the_dequantized_models(smollm2_pair):
     packed, reference = smollm2_pair
     got = [o.outputs[0].token_ids for o in packed.generate(prompts, params, use_tqdm=False)]
     assert got == [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+
+
+@needs_kernels
+def test_two_ranks_split_the_packed_blocks(tiny_model_factory, tmp_path):
+    """Column-parallel layers take their rank's packed rows, row-parallel ones their input blocks
+    (o_proj: 2 heads x 16 = one block of 32 per rank; down_proj: 64 of 128)."""
+    from test_tensor_parallel import generate_both, token_prompts, token_ids
+
+    path = str(write_gguf(tiny_model_factory("llama_gqa"), tmp_path / "mixed.gguf", quant=mixed_type))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference, outputs, _ = generate_both(path, token_prompts(3, seed=4), params, skip_tokenizer_init=True,
+                                          kv_cache_memory=8 << 20, quantization="gguf")
+    assert token_ids(outputs) == token_ids(reference)
+
+
+def test_a_rank_slice_that_cuts_a_block_is_a_clear_error():
+    from tokenmill.layers.quantization.gguf_packed import GGUFTensor
+
+    packed = GGUFTensor(torch.zeros(4, 2 * 18, dtype=torch.uint8), int(QT.Q4_0), 64)
+    assert packed.narrow_cols(32, 32, "o_proj").data.shape == (4, 18)
+    with pytest.raises(ModelLoadError, match=r"o_proj: input columns \[16, 32\) do not fall on whole blocks of 32 values \(Q4_0\)"):
+        packed.narrow_cols(16, 16, "o_proj")
