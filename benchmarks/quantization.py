@@ -27,6 +27,7 @@ METHODS = [
     ("int4 g128", "int4", {"group_size": 128}),
     ("int4 g32 sym", "int4", {"group_size": 32, "symmetric": True}),
     ("w8a8", "w8a8", None),
+    ("gguf", "gguf", None),  # the GGUF's own blocks, computed packed (the default model: Q4_1, Q8_0 embedding)
 ]
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 

@@ -9,7 +9,7 @@ For each level, a build with TOKENMILL_CPU_MARCH=<level> in a temporary TORCH_EX
     x86-64-v4   AVX-512 F/BW/CD/DQ/VL: 16-lane Vec
 
 Each runs the kernel tests of tests/test_layers.py, all of tests/test_kernel_shapes.py and
-tests/test_quant_kernels.py, the prompt-chunk kernel tests of tests/test_chunk_attention.py, the
+tests/test_quant_kernels.py and tests/test_gguf_kernels.py, the prompt-chunk kernel tests of tests/test_chunk_attention.py, the
 `kv_quant_kernel` tests of tests/test_kv_quant.py (quantized KV cache writes and decode), the
 `cascade_kernel` tests of tests/test_cascade_attention.py (decodes over a shared prefix), and the
 `w8a8_kernel` tests of tests/test_w8a8.py (whose x86-64-v4
@@ -149,15 +149,15 @@ def test_kernels_built_for_level_pass(build, level):
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
          "tests/test_layers.py", "tests/test_kernel_shapes.py", "tests/test_quant_kernels.py", "tests/test_w8a8.py",
-         "tests/test_chunk_attention.py", "tests/test_kv_quant.py", "tests/test_cascade_attention.py",
+         "tests/test_chunk_attention.py", "tests/test_kv_quant.py", "tests/test_cascade_attention.py", "tests/test_gguf_kernels.py",
          "-k", f"{LAYER_TESTS} or test_kernel_shapes or test_quant_kernels or w8a8_kernel or {CHUNK_TESTS} or kv_quant_kernel "
-         "or cascade_kernel"],
+         "or cascade_kernel or test_gguf_"],
         cwd=ROOT, env=_env(build.root, level), capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
     )  # fmt: skip
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 450, summary  # ~100 of test_layers, ~120 of test_kernel_shapes, ~220 quant, ~45 w8a8, ~50 chunk
+    assert passed and int(passed.group(1)) >= 570, summary  # ~100 of test_layers, ~120 of test_kernel_shapes, ~220 quant, ~45 w8a8, ~50 chunk, ~125 gguf
     assert "skipped" not in summary, f"kernel tests skipped (the PyTorch paths ran?): {proc.stdout[-3000:]}"
 
 
@@ -177,7 +177,10 @@ def test_levels_build_apart(monkeypatch):
 # Every op on fixed inputs, saved for the comparison across levels.
 OUTPUTS = r"""
 import sys
+import gguf
 import torch
+sys.path.insert(0, "tests")
+from test_gguf_kernels import random_packed
 from tokenmill.kernels import cpu
 from tokenmill.layers.quantization import quant_utils
 
@@ -215,6 +218,9 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     res[f"int8_linear.{name}"] = cpu.int8_linear(xq, *quant["int8"], None)
     res[f"int4_linear.{name}"] = cpu.int4_linear(xq, *quant["int4"], 128, None)
     res[f"w8a8_linear.{name}"] = cpu.w8a8_linear(torch.randn(7, 576).to(dtype), *cpu.w8a8_pack(quant["int8"][0]), quant["int8"][1], None)
+    for qtype in (2, 3, 8, 12, 13, 14):  # gguf Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: random valid blocks
+        packed = torch.from_numpy(random_packed(gguf.GGMLQuantizationType(qtype), 48, 512, seed=qtype))
+        res[f"gguf_linear_{qtype}.{name}"] = cpu.gguf_linear(torch.randn(3, 512).to(dtype), packed, qtype, 512, None)
 torch.save(res, sys.argv[1])
 """
 
@@ -248,7 +254,7 @@ def test_levels_agree(build, tmp_path):
                 assert torch.equal(got[key], want), where
             elif op == "lse":
                 torch.testing.assert_close(got[key], want, atol=1e-5, rtol=1e-5, msg=where)
-            elif op in ("int8_linear", "int4_linear") and dtype == "float32":  # sums of 576 products, as in test_quant_kernels
+            elif (op in ("int8_linear", "int4_linear") or op.startswith("gguf_linear")) and dtype == "float32":  # sums of 576 products, as in test_quant_kernels
                 torch.testing.assert_close(got[key], want, atol=1e-4, rtol=1e-4, msg=where)
             elif dtype == "float32":
                 torch.testing.assert_close(got[key], want, atol=1e-5, rtol=1e-5, msg=where)

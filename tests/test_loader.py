@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -271,9 +272,10 @@ def _llama3_rope_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_gguf(hf_folder: str, out: Path, quant: QT | None = None) -> Path:
+def write_gguf(hf_folder: str, out: Path, quant: QT | Callable[[str], QT | None] | None = None) -> Path:
     """Convert a tiny HF folder to GGUF as llama.cpp does: metadata keys, tensor names, q/k permuted
-    for llama, GPT-2's Conv1D weights transposed, 2-D weights quantized when `quant` is given."""
+    for llama, GPT-2's Conv1D weights transposed, 2-D weights quantized when `quant` is given (a
+    type, or a function of the GGUF tensor name giving each one's type, None for float32)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_folder)
@@ -327,8 +329,9 @@ def write_gguf(hf_folder: str, out: Path, quant: QT | None = None) -> Path:
             tensors.append((_gguf_name(name, _LLAMA_TENSORS), w))
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if quant is None else gguf.LlamaFileType.MOSTLY_Q8_0)
     for name, w in tensors:
-        if quant is not None and w.ndim == 2:
-            writer.add_tensor(name, quantize(w, quant), raw_dtype=quant)
+        qtype = quant(name) if callable(quant) else quant
+        if qtype is not None and w.ndim == 2:
+            writer.add_tensor(name, quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
     writer.write_header_to_file()

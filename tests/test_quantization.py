@@ -75,8 +75,8 @@ def test_quantized_weights_replace_the_float_ones(tiny_model_factory):
 
 
 def test_bad_quantization_settings_are_clear_errors():
-    with pytest.raises(ValueError, match=r"'gguf' is not supported yet; supported: int8, int4, w8a8"):
-        LLM(quantization="gguf")
+    with pytest.raises(ValueError, match=r"'fp8' is not supported yet; supported: int8, int4, w8a8, gguf"):
+        LLM(quantization="fp8")
     with pytest.raises(ValueError, match=r"unknown quantization 'int3'; supported: int8, int4"):
         LLM(quantization="int3")
     with pytest.raises(ValueError, match=r"unknown quantization option\(s\) 'bits' for 'int4'; allowed: group_size, symmetric"):
@@ -92,8 +92,8 @@ def test_bad_quantization_settings_are_clear_errors():
 def test_cli_quantization_errors(capsys):
     from tokenmill.entrypoints.cli import main
 
-    assert main(["generate", "hi", "--quantization", "gguf"]) != 0
-    assert "'gguf' is not supported yet; supported: int8, int4" in capsys.readouterr().err
+    assert main(["generate", "hi", "--quantization", "fp8"]) != 0
+    assert "'fp8' is not supported yet; supported: int8, int4" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "hi", "-q", "int4", "--quantization-options", "{not json"])
     assert "not valid JSON" in capsys.readouterr().err

@@ -43,8 +43,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent / "cpu"
-_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "sampling.cpp", "pointwise.cpp", "quant_linear.cpp", "int8_gemm.cpp")]
-_HEADERS = [_DIR / "vec.h"]
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "sampling.cpp", "pointwise.cpp", "quant_linear.cpp", "int8_gemm.cpp", "gguf_linear.cpp")]
+_HEADERS = [_DIR / name for name in ("vec.h", "quant_rows.h")]
 # -ffp-contract=off: no fused multiply-adds the source does not write, so the pointwise ops round as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 _LDFLAGS = ["-lmvec"]
@@ -439,6 +439,16 @@ def int8_dequantize(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 def int4_dequantize(w: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """The float [N, K] weight of a packed int4 one, in dtype."""
     return torch.ops.tokenmill_cpu.int4_dequantize(w, scale, min_, group_size, torch.empty(0, dtype=dtype))
+
+
+def gguf_linear(x: torch.Tensor, w: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T + bias with W a GGUF tensor's packed rows [N, K / QK * bytes] of ggml_type (see gguf_linear.cpp)."""
+    return torch.ops.tokenmill_cpu.gguf_linear(x, w, ggml_type, in_features, bias)
+
+
+def gguf_dequantize(w: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float [N, K] weight of a GGUF tensor's packed rows, in dtype (gguf's dequantize, value for value)."""
+    return torch.ops.tokenmill_cpu.gguf_dequantize(w, ggml_type, in_features, torch.empty(0, dtype=dtype))
 
 
 def w8a8_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,9 +55,16 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, m
     """The model on its device: constructed from one ModelBuildContext, weights loaded, then each
     layer's method turns its loaded parameters into what it computes with. With tensor parallelism
     (parallel: this rank's group) each layer keeps only its rank's slice of each checkpoint tensor."""
+    quant_config = quant_config or UnquantizedConfig(device, dtype)
+    weights = source.weights
+    if quant_config.name == "gguf":
+        if source.packed_weights is None:
+            raise ModelLoadError(f"quantization='gguf' computes a GGUF file's packed weights, and {source.name} is not a GGUF "
+                                 "file: give a .gguf model, or quantize this checkpoint at load with int8, int4 or w8a8")
+        weights = source.packed_weights
     ctx = ModelBuildContext(
         hf_config=source.hf_config,
-        quant_config=quant_config or UnquantizedConfig(device, dtype),
+        quant_config=quant_config,
         parallel=parallel or TPCommunicator(),
         max_position=max_position,
         rope_freq_factors=source.rope_freq_factors,
@@ -65,7 +72,7 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, m
     model_class = get_model_class(source.hf_config)
     with _default_dtype(dtype), device:
         model = model_class(ctx)
-    model.load_weights(source.weights())
+    model.load_weights(weights())
     for module in model.modules():
         method = getattr(module, "method", None)
         if method is not None:

@@ -208,6 +208,49 @@ def _hf_weights(reader, arch: str, config) -> Iterable[tuple[str, torch.Tensor]]
         yield name, weight.contiguous()
 
 
+def packed_weights(path: str, config) -> Iterable[tuple[str, object]]:
+    """The GGUF's tensors under HF names for quantization="gguf": the quantized ones packed as the
+    file holds them (GGUFTensor: rows of blocks, which q/k's row permutation moves whole), the float
+    ones (norms, F16/F32 weights) as float32 tensors."""
+    from tokenmill.layers.quantization.gguf_packed import PACKED_TYPES, GGUFTensor
+
+    reader, _, arch, _ = _read(path)
+    if arch not in _PACKED_ARCHS:
+        raise ModelLoadError(f"quantization='gguf' runs GGUF files of {', '.join(_PACKED_ARCHS)}; {arch!r} is not one "
+                             "(GPT-2's fused, transposed layout): leave quantization unset to run it dequantized")
+    names = _ARCHS[arch][2]
+    permuted = arch in ("llama", "mistral")  # as _hf_weights
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name, names)
+        if name is None:
+            continue
+        qtype = int(tensor.tensor_type)
+        if qtype in PACKED_TYPES:
+            # Copied out of the read-only memory map: [rows, row bytes].
+            weight = GGUFTensor(torch.from_numpy(np.array(tensor.data, dtype=np.uint8)), qtype, int(tensor.shape[0]))
+        elif tensor.tensor_type.name in ("F32", "F16", "BF16"):
+            weight = torch.from_numpy(dequantize_tensor(tensor))
+        else:
+            supported = ", ".join(name for name, _, _ in PACKED_TYPES.values())
+            raise ModelLoadError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}; quantization='gguf' computes "
+                                 f"{supported} (and F32/F16/BF16) packed: leave quantization unset to run this file dequantized")
+        if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            weight = _permuted_rows(weight, config.num_attention_heads)
+        elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            weight = _permuted_rows(weight, config.num_key_value_heads)
+        yield name, weight
+
+
+_PACKED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _permuted_rows(weight, num_heads: int):
+    """unpermute_qk on a float tensor, or on a packed tensor's rows (each row's blocks move whole)."""
+    if isinstance(weight, torch.Tensor):
+        return unpermute_qk(weight, num_heads)
+    return dataclasses.replace(weight, data=unpermute_qk(weight.data, num_heads).contiguous())
+
+
 def _convert(path: str, cache: str) -> None:
     """Convert the GGUF into an HF folder at `cache` (written aside, then renamed into place)."""
     import json
@@ -277,6 +320,7 @@ def _load_converted(path: str, cache: str, tokenizer_path: str | None, skip_toke
         eos_token_ids=set(done["eos_token_ids"]),
         checkpoint_dtype=torch.bfloat16,
         rope_freq_factors=freq_factors,
+        packed_weights=lambda: packed_weights(path, source.hf_config),
     )
 
 

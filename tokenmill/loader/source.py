@@ -44,6 +44,9 @@ class ModelSource:
     eos_token_ids: set[int] = field(default_factory=set)
     checkpoint_dtype: torch.dtype | None = None
     rope_freq_factors: torch.Tensor | None = None  # llama.cpp's baked llama3 RoPE factors
+    # A GGUF file's tensors with the quantized ones kept packed (GGUFTensor), for quantization="gguf";
+    # None for every other format.
+    packed_weights: Callable[[], Iterable[tuple[str, object]]] | None = None
 
     @property
     def tokenizer(self):

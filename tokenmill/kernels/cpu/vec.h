@@ -166,6 +166,12 @@ inline void load_nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
   lo = {_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)))};
   hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4))};
 }
+// W bytes' bits [shift, shift + width) as float32 lanes ((p[i] >> shift) & mask): the high bits of
+// GGUF's 5- and 6-bit quants (gguf_linear.cpp).
+inline Vec load_u8_bits(const uint8_t* p, int shift, int mask) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(bytes, _mm512_set1_epi32(shift)), _mm512_set1_epi32(mask)))};
+}
 
 // fp8 rows of a quantized KV cache: the bytes become fp16 bit patterns, which F16C widens exactly
 // (fp16 holds every e5m2 and e4m3 value; its subnormals are converted, not flushed). e5m2 is the
@@ -271,6 +277,10 @@ inline void load_nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
   const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   lo = {_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)))};
   hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4))};
+}
+inline Vec load_u8_bits(const uint8_t* p, int shift, int mask) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_set1_epi32(shift)), _mm256_set1_epi32(mask)))};
 }
 
 // fp8 rows of a quantized KV cache, as the AVX-512 versions above (8 bytes at a time).

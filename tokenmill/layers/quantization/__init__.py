@@ -19,6 +19,7 @@ import torch
 from tokenmill.layers.quantization.awq import AWQConfig
 from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig
 from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsConfig
+from tokenmill.layers.quantization.gguf_packed import GGUFConfig
 from tokenmill.layers.quantization.gptq import GPTQConfig
 from tokenmill.layers.quantization.unquantized import (
     PackedCPUWeight,
@@ -31,12 +32,12 @@ from tokenmill.layers.quantization.w8a8 import W8A8Config
 from tokenmill.layers.quantization.weight_only import WeightOnlyConfig
 
 # The `quantization=` names tokenmill runs, and the options each takes (`quantization_options=`).
-SUPPORTED = {"int8": (), "int4": ("group_size", "symmetric"), "w8a8": (), "gptq": (), "awq": (), "compressed-tensors": ()}
+SUPPORTED = {"int8": (), "int4": ("group_size", "symmetric"), "w8a8": (), "gguf": (), "gptq": (), "awq": (), "compressed-tensors": ()}
 # The methods that load a checkpoint quantized already (by its config.json's quant_method); the
 # others quantize a float checkpoint at load.
 PREQUANTIZED = ("gptq", "awq", "compressed-tensors")
 # vLLM's names for methods tokenmill does not run yet: refused by name rather than as unknown.
-NOT_YET = ("gguf", "fp8")
+NOT_YET = ("fp8",)
 
 
 def check_quantization(name: str | None, options: dict[str, Any] | None = None) -> None:
@@ -103,6 +104,8 @@ def get_quantization_config(name: str | None, options: dict[str, Any] | None, de
         return AWQConfig(quant, device, dtype)
     if name == "compressed-tensors":
         return CompressedTensorsConfig(quant, device, dtype)
+    if name == "gguf":  # the loader checks that the checkpoint is a GGUF file (build_model)
+        return GGUFConfig()
     if name == "w8a8":
         return W8A8Config(prepack_lm_head=cpu_packed_weights_supported(device, dtype))
     return WeightOnlyConfig(bits=8 if name == "int8" else 4, **(options or {}))
@@ -112,6 +115,7 @@ __all__ = [
     "AWQConfig",
     "CompressedTensorsConfig",
     "EmbeddingMethodBase",
+    "GGUFConfig",
     "GPTQConfig",
     "PREQUANTIZED",
     "LinearMethodBase",

@@ -49,7 +49,7 @@ def _store_int8(layer: nn.Module) -> None:
     layer.register_buffer("weight_scale", scale, persistent=False)
 
 
-def _quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel: Callable[[torch.Tensor], torch.Tensor],
+def quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel: Callable[[torch.Tensor], torch.Tensor],
                       dequantized: Callable[[torch.dtype, bool], torch.Tensor]) -> torch.Tensor:
     """kernel(rows) for a decode step's few rows; otherwise the float GEMM on the weight
     dequantized to x's dtype (dequantized(dtype, by the C++ kernels or in PyTorch))."""
@@ -67,7 +67,7 @@ def int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
             return cpu_kernels.int8_dequantize(layer.qweight, layer.weight_scale, dtype)
         return quant_utils.dequantize_int8(layer.qweight, layer.weight_scale).to(dtype)
 
-    return _quantized_linear(x, bias, lambda rows: cpu_kernels.int8_linear(rows, layer.qweight, layer.weight_scale, bias),
+    return quantized_linear(x, bias, lambda rows: cpu_kernels.int8_linear(rows, layer.qweight, layer.weight_scale, bias),
                              dequantized)
 
 
@@ -118,7 +118,7 @@ class Int4LinearMethod(LinearMethodBase):
                 return cpu_kernels.int4_dequantize(*quantized, dtype)
             return quant_utils.dequantize_int4(*quantized).to(dtype)
 
-        return _quantized_linear(x, bias, lambda rows: cpu_kernels.int4_linear(rows, *quantized, bias), dequantized)
+        return quantized_linear(x, bias, lambda rows: cpu_kernels.int4_linear(rows, *quantized, bias), dequantized)
 
 
 class Int8LMHeadMethod(UnquantizedEmbeddingMethod):

@@ -1,0 +1,119 @@
+"""`quantization="gguf"`: a GGUF's quantized weights kept packed and computed packed, against the
+same file run the default way (every tensor dequantized to float32 at load).
+
+The packed kernels dequantize each block to gguf's very float32 values, so the two engines compute
+the same function up to the summation order: their logits agree within float32 rounding and
+their greedy tokens are equal. The kernels themselves are tested per block type in
+tests/test_gguf_kernels.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from conftest import assert_engine_computes, random_prompts, smollm2_gguf_path
+from test_loader import write_gguf
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import ModelLoadError
+from tokenmill.kernels import cpu
+
+needs_kernels = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="tokenmill's CPU kernels are not built here")
+
+# Each tensor's type in the mixed file: q and k/v differ, so the fused QKV keeps two packed parts.
+MIXED = {"attn_q": QT.Q4_0, "attn_k": QT.Q8_0, "attn_v": QT.Q8_0, "attn_output": QT.Q8_0, "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_1,
+         "ffn_down": QT.Q4_0, "token_embd": QT.Q8_0, "output": QT.Q4_1}
+
+
+def mixed_type(name: str) -> QT | None:
+    return next((qtype for key, qtype in MIXED.items() if f".{key}." in f".{name}"), None)
+
+
+@pytest.fixture(autouse=True)
+def _private_gguf_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path_factory.mktemp("tokenmill-cache")))
+
+
+def _model(llm: LLM):
+    return llm.llm_engine.executor.driver_runner.model
+
+
+@needs_kernels
+def test_mixed_types_file_computes_its_dequantized_copy(tiny_model_factory, tmp_path):
+    path = str(write_gguf(tiny_model_factory("llama_gqa"), tmp_path / "mixed.gguf", quant=mixed_type))
+    kw = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=128, block_size=4)
+    packed, reference = LLM(path, quantization="gguf", **kw), LLM(path, **kw)
+    layer = _model(packed).model.layers[0]
+    assert [(s.ggml_type, s.data.dtype) for s in layer.self_attn.qkv_proj.gguf_segments] == [(QT.Q4_0, torch.uint8), (QT.Q8_0, torch.uint8)]
+    assert [s.ggml_type for s in layer.mlp.gate_up_proj.gguf_segments] == [QT.Q4_1]
+    assert _model(packed).model.embed_tokens.weight.gguf.ggml_type == QT.Q8_0
+    assert _model(packed).lm_head.weight.gguf.ggml_type == QT.Q4_1
+    assert_engine_computes(packed, reference, atol=1e-4)
+
+
+def test_gguf_on_a_checkpoint_that_is_not_gguf_is_a_clear_error(tiny_model_factory):
+    with pytest.raises(ModelLoadError, match="quantization='gguf' computes a GGUF file's packed weights, and .* is not a GGUF file"):
+        LLM(tiny_model_factory("llama_gqa"), quantization="gguf", skip_tokenizer_init=True, dtype="float32")
+
+
+def test_gguf_on_a_gpt2_file_is_a_clear_error(tiny_model_factory, tmp_path):
+    path = write_gguf(tiny_model_factory("gpt2"), tmp_path / "gpt2.gguf", quant=QT.Q8_0)
+    with pytest.raises(ModelLoadError, match="quantization='gguf' runs GGUF files of llama, mistral, qwen2, qwen3"):
+        LLM(str(path), quantization="gguf", skip_tokenizer_init=True, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair():
+    path = smollm2_gguf_path()
+    if path is None or not cpu.cpu_kernels_available():
+        pytest.skip("needs the embedded SmolLM2 model and the CPU kernels")
+    kw = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=256)
+    return LLM(path, quantization="gguf", **kw), LLM(path, **kw)
+
+
+@pytest.mark.slow
+def test_smollm2_keeps_the_files_blocks(smollm2_pair):
+    model = _model(smollm2_pair[0])
+    layer = model.model.layers[0]
+    (qkv,) = layer.self_attn.qkv_proj.gguf_segments
+    assert qkv.ggml_type == QT.Q4_1 and qkv.data.shape == (576 + 2 * 192, 576 // 32 * 20)
+    assert model.model.embed_tokens.weight.gguf.ggml_type == QT.Q8_0 and model.lm_head.weight is model.model.embed_tokens.weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes < 110e6  # the file's ~104 MB (float32 would be 540 MB)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_computes_the_dequantized_model(smollm2_pair):
+    assert_engine_computes(*smollm2_pair, atol=2e-3)  # logits ~1e1 after 30 layers of float32 sums in another order
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_greedy_tokens_equal_the_dequantized_models(smollm2_pair):
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 30], seed=12, vocab=49152)]
+    packed, reference = smollm2_pair
+    got = [o.outputs[0].token_ids for o in packed.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+
+
+@needs_kernels
+def test_two_ranks_split_the_packed_blocks(tiny_model_factory, tmp_path):
+    """Column-parallel layers take their rank's packed rows, row-parallel ones their input blocks
+    (o_proj: 2 heads x 16 = one block of 32 per rank; down_proj: 64 of 128)."""
+    from test_tensor_parallel import generate_both, token_prompts, token_ids
+
+    path = str(write_gguf(tiny_model_factory("llama_gqa"), tmp_path / "mixed.gguf", quant=mixed_type))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference, outputs, _ = generate_both(path, token_prompts(3, seed=4), params, skip_tokenizer_init=True,
+                                          kv_cache_memory=8 << 20, quantization="gguf")
+    assert token_ids(outputs) == token_ids(reference)
+
+
+def test_a_rank_slice_that_cuts_a_block_is_a_clear_error():
+    from tokenmill.layers.quantization.gguf_packed import GGUFTensor
+
+    packed = GGUFTensor(torch.zeros(4, 2 * 18, dtype=torch.uint8), int(QT.Q4_0), 64)
+    assert packed.narrow_cols(32, 32, "o_proj").data.shape == (4, 18)
+    with pytest.raises(ModelLoadError, match=r"o_proj: input columns \[16, 32\) do not fall on whole blocks of 32 values \(Q4_0\)"):
+        packed.narrow_cols(16, 16, "o_proj")

@@ -1,0 +1,198 @@
+"""`gguf`: a GGUF file's quantized weights kept packed, as the file holds them (Q8_0, Q4_0, Q4_1,
+Q4_K, Q5_K, Q6_K), and computed packed (kernels/cpu/gguf_linear.cpp).
+
+The loader hands each quantized tensor over as a GGUFTensor (its packed rows, GGML type and number
+of columns) and the unquantized ones (norms, F16/F32 weights) as float tensors. Every linear
+layer, the embedding and the LM head keep their GGUFTensor; a decode step's few rows run the
+packed kernel, which dequantizes each block in registers to the very float32 values gguf's
+dequantize gives, so the model computes what its dequantized copy computes up to the summation
+order. A prompt chunk (many rows) dequantizes the weight once and runs the float GEMM.
+
+Each GGUF row is independent and holds whole blocks, so tensor parallelism splits a packed tensor
+as it splits a float one: output rows for a column-parallel layer, and for a row-parallel one the
+input columns on block boundaries (32 values, or 256 for the K-quants); a rank slice that cuts a
+block is an error naming the block size.
+
+A fused layer (QKV, gate-up) whose parts have different types (a Q4_K_M file's Q6_K v_proj beside
+Q4_K q/k) keeps one packed tensor per run of same-typed parts and computes each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.errors import ModelLoadError
+from tokenmill.kernels import cpu as cpu_kernels
+from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
+from tokenmill.layers.quantization.weight_only import quantized_linear
+
+# GGML type ids (gguf.GGMLQuantizationType) computed packed, with (values, bytes) per block.
+BLOCKS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
+          "Q6_K": (14, 256, 210)}
+PACKED_TYPES = {type_id: (name, block, size) for name, (type_id, block, size) in BLOCKS.items()}
+FLOAT = 0  # GGML's F32: an unquantized tensor, held as a float tensor in the model dtype
+
+
+@dataclass
+class GGUFTensor:
+    """One GGUF tensor as a layer holds it: `data` [rows, row bytes] uint8 packed blocks of
+    `ggml_type` (a PACKED_TYPES id), or [rows, cols] float for FLOAT; `cols`: values per row."""
+
+    data: torch.Tensor
+    ggml_type: int
+    cols: int
+
+    @classmethod
+    def of(cls, loaded: "GGUFTensor | torch.Tensor", dtype: torch.dtype) -> "GGUFTensor":
+        """A loaded tensor as a GGUFTensor: packed ones as they are, float ones (2-D) in dtype."""
+        if isinstance(loaded, GGUFTensor):
+            return loaded
+        if loaded.dim() != 2:
+            raise ModelLoadError(f"expected a 2-D weight, got shape {tuple(loaded.shape)}")
+        return cls(loaded.to(dtype), FLOAT, int(loaded.shape[1]))
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """(values, bytes) per block; (1, element size) for a float tensor."""
+        if self.ggml_type == FLOAT:
+            return 1, self.data.element_size()
+        return PACKED_TYPES[self.ggml_type][1:]
+
+    def narrow_rows(self, start: int, count: int) -> "GGUFTensor":
+        return GGUFTensor(self.data.narrow(0, start, count), self.ggml_type, self.cols)
+
+    def narrow_cols(self, first: int, count: int, what: str) -> "GGUFTensor":
+        """Columns [first, first + count): whole blocks only."""
+        if first == 0 and count == self.cols:
+            return self
+        values, size = self.block
+        if first % values or count % values:
+            raise ModelLoadError(f"{what}: input columns [{first}, {first + count}) do not fall on whole blocks of {values} "
+                                 f"values ({PACKED_TYPES[self.ggml_type][0]}): tensor parallelism cannot split this GGUF "
+                                 "tensor there; use a smaller tensor_parallel_size")
+        return GGUFTensor(self.data.narrow(1, first // values * size, count // values * size), self.ggml_type, count)
+
+    def dequantize(self, dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
+        """The float [rows, cols] weight in dtype (the kernel, or gguf's numpy dequantize without it)."""
+        if self.ggml_type == FLOAT:
+            return self.data.to(dtype)
+        if with_kernels:
+            return cpu_kernels.gguf_dequantize(self.data, self.ggml_type, self.cols, dtype)
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(np.ascontiguousarray(dequantize(self.data.numpy(), self.ggml_type))).view(self.rows, self.cols).to(dtype)
+
+
+def packed_linear(x: torch.Tensor, weight: GGUFTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + bias: the packed kernel for a decode step's rows, else dequantize + the float GEMM."""
+    if weight.ggml_type == FLOAT:
+        return F.linear(x, weight.data.to(x.dtype), bias)
+    return quantized_linear(x, bias, lambda rows: cpu_kernels.gguf_linear(rows, weight.data, weight.ggml_type, weight.cols, bias),
+                            weight.dequantize)
+
+
+def _placeholder(loader: WeightLoader) -> nn.Parameter:
+    """The `weight` parameter a GGUF tensor loads into: its shape and dtype come with the tensor."""
+    param = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
+        self.dtype = torch.get_default_dtype()  # the model's, while it is built
+        layer.weight = _placeholder(lambda param, loaded, shard_id=None: self._load(layer, loaded, shard_id))
+        layer.gguf_shards = [None] * len(output_sizes)
+
+    def _load(self, layer: nn.Module, loaded: GGUFTensor | torch.Tensor, shard_id: int | str | None) -> None:
+        packed = GGUFTensor.of(loaded, self.dtype)
+        if shard_id is None and len(layer.shards) > 1:  # one fused tensor in the file: split it by the shards' sizes
+            start = 0
+            for index, full in enumerate(layer.full_output_sizes):
+                self._load_shard(layer, packed.narrow_rows(start, full), index)
+                start += full
+            return
+        self._load_shard(layer, packed, 0 if shard_id is None else layer.shard_index(shard_id))
+
+    def _load_shard(self, layer: nn.Module, packed: GGUFTensor, index: int) -> None:
+        """This rank's rows (and, row-parallel, input columns) of one shard."""
+        what = layer.prefix or type(layer).__name__
+        full = layer.full_output_sizes[index]
+        if packed.rows != full or packed.cols != layer.full_input_size:
+            raise ModelLoadError(f"{what}: checkpoint tensor is [{packed.rows}, {packed.cols}], expected [{full}, {layer.full_input_size}]")
+        shard = layer.shards[index]
+        first, count = getattr(layer, "input_slice", None) or (0, layer.full_input_size)
+        local = packed.narrow_rows(shard.checkpoint_start, shard.size).narrow_cols(first, count, what)
+        layer.gguf_shards[index] = GGUFTensor(local.data.contiguous(), local.ggml_type, local.cols)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        shards = layer.gguf_shards
+        if any(shard is None for shard in shards):
+            raise ModelLoadError(f"{layer.prefix}: the checkpoint lacks {sum(s is None for s in shards)} of its {len(shards)} parts")
+        segments: list[GGUFTensor] = []  # runs of consecutive same-typed shards, stacked
+        for shard in shards:
+            if segments and segments[-1].ggml_type == shard.ggml_type:
+                last = segments[-1]
+                segments[-1] = GGUFTensor(torch.cat([last.data, shard.data]), last.ggml_type, last.cols)
+            else:
+                segments.append(shard)
+        layer.gguf_segments = segments
+        del layer.gguf_shards
+        layer.weight.data = segments[0].data if len(segments) == 1 else torch.empty(0, dtype=torch.uint8)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        segments = layer.gguf_segments
+        if len(segments) == 1:
+            return packed_linear(x, segments[0], bias)
+        y = torch.cat([packed_linear(x, segment, None) for segment in segments], dim=-1)
+        return y if bias is None else y + bias
+
+
+class GGUFEmbeddingMethod(EmbeddingMethodBase):
+    """The token embedding (rows dequantized as they are looked up) and the LM head (the packed
+    linear). The GGUFTensor rides on the weight Parameter, so a tied LM head, which shares the
+    embedding's Parameter, reads it too."""
+
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int, weight_loader: WeightLoader) -> None:
+        self.dtype = torch.get_default_dtype()
+        layer.weight = _placeholder(lambda param, loaded, shard_id=None: self._load(layer, param, loaded, num_embeddings, embedding_dim))
+
+    def _load(self, layer: nn.Module, param: nn.Parameter, loaded: GGUFTensor | torch.Tensor, shard_rows: int, dim: int) -> None:
+        packed = GGUFTensor.of(loaded, self.dtype)
+        what = layer.prefix or type(layer).__name__
+        if packed.rows != layer.num_embeddings or packed.cols != dim:
+            raise ModelLoadError(f"{what}: checkpoint tensor is [{packed.rows}, {packed.cols}], expected [{layer.num_embeddings}, {dim}]")
+        local = packed.narrow_rows(layer.vocab_start, layer.vocab_end - layer.vocab_start).data
+        # The last rank's padding rows: zero bytes are zero weights in every block type (fp16 scales of 0).
+        padding = local.new_zeros(shard_rows - local.shape[0], local.shape[1])
+        param.data = torch.cat([local, padding]) if padding.numel() else local.contiguous()
+        param.gguf = GGUFTensor(param.data, packed.ggml_type, packed.cols)
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        weight: GGUFTensor = layer.weight.gguf
+        rows = GGUFTensor(weight.data.index_select(0, input_ids.reshape(-1)), weight.ggml_type, weight.cols)
+        return rows.dequantize(self.dtype, cpu_kernels.use_cpu_kernels(rows.data)).view(*input_ids.shape, weight.cols)
+
+    def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return packed_linear(hidden, layer.weight.gguf, None)
+
+
+class GGUFConfig(QuantizationConfig):
+    """Every linear layer, the embedding and the LM head as the GGUF file holds them."""
+
+    name = "gguf"
+
+    def linear_method(self, prefix: str) -> LinearMethodBase:
+        return GGUFLinearMethod()
+
+    def embedding_method(self, prefix: str) -> EmbeddingMethodBase:
+        return GGUFEmbeddingMethod()
