@@ -40,6 +40,10 @@ class CachedHFConfig:
         self.__dict__.update(attrs)
         self._attribute_map = attribute_map
 
+    def to_dict(self) -> dict:
+        """The recorded attributes, as PretrainedConfig.to_dict gives them."""
+        return {k: v for k, v in self.__dict__.items() if k != "_attribute_map"}
+
     def __getattr__(self, name: str):  # only reached for names not set as attributes
         alias = self.__dict__.get("_attribute_map", {}).get(name)
         if alias is None:
@@ -120,7 +124,17 @@ def _plain_attrs(config) -> dict | None:
     return attrs if same else None
 
 
+def _needs_transformers(config) -> bool:
+    """Whether the model's construction calls the config's own methods, which a record has not: scaled
+    RoPE goes through transformers' init functions (standardize_rope_params and the like)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return isinstance(params, dict) and params.get("rope_type", params.get("type", "default")) != "default"
+
+
 def _write_record(path: Path, resolved: ResolvedConfig) -> None:
+    if _needs_transformers(resolved.config):
+        logger.debug("%s: config not recorded (scaled RoPE needs transformers' config methods)", path)
+        return
     attrs = _plain_attrs(resolved.config)
     attribute_map = dict(getattr(type(resolved.config), "attribute_map", {}) or {})
     if attrs is None or not all(isinstance(v, str) for v in attribute_map.values()):
