@@ -19,7 +19,7 @@ from tokenmill.models.medusa import MedusaHeads
 from tokenmill.worker.medusa_proposer import MedusaProposer
 
 from conftest import smollm2_gguf_path
-from test_spec_decode import assert_no_blocks_held, assert_same_outputs, tiny_llm, token_prompts
+from test_spec_decode import assert_mixed_batch_matches_plain_decoding, assert_no_blocks_held, assert_same_outputs, tiny_llm, token_prompts
 
 
 def random_heads(hidden: int, vocab: int, num_heads: int = 3, num_layers: int = 1, seed: int = 0, lm_head=None,
@@ -172,21 +172,7 @@ def test_medusa_with_sampling_chunks_preemption_and_prefix_caching(tiny_model_fa
     folder = tiny_model_factory("llama_gqa")
     hidden, vocab = model_dims(folder)
     heads = heads_folder(tmp_path, random_heads(hidden, vocab, num_heads=4, lm_head=target_lm_head(folder), shared=shared))
-    prompts = token_prompts(7, seed=4)
-    prompts += [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + [5, 6, 7]}]  # shares a prefix
-    params = [SamplingParams(max_tokens=30, temperature=0.0)] * 5 + [
-        SamplingParams(max_tokens=30, temperature=0.9, seed=11),
-        SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, n=2, seed=12),
-        SamplingParams(max_tokens=30, temperature=0.0, logprobs=2),
-    ]
-    tight = dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=24)
-    reference = tiny_llm(folder, **tight).generate(prompts, params, use_tqdm=False)
-    llm = tiny_llm(folder, speculative_config=medusa_config(heads, k=4), **tight)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert_same_outputs(reference, outputs)
-    assert llm.llm_engine.stats().num_preemptions > 0
-    assert llm.llm_engine.stats().spec_decode.num_draft_tokens > 0
-    assert_no_blocks_held(llm)
+    assert_mixed_batch_matches_plain_decoding(folder, medusa_config(heads, k=4))
 
 
 @pytest.mark.parametrize("shared", [False, True])

@@ -168,6 +168,35 @@ def assert_no_blocks_held(llm: LLM) -> None:
     assert pool.num_free_blocks == pool.num_usable_blocks
 
 
+def mixed_batch(num_prompts: int = 7, extra: list[SamplingParams] = ()) -> tuple[list[dict], list[SamplingParams]]:
+    """num_prompts prompts and one more sharing the first's prefix, with their params: greedy, seeded
+    sampling (n > 1 too), then `extra` (one per prompt past the seventh), then greedy with logprobs."""
+    prompts = token_prompts(num_prompts, seed=4)
+    prompts += [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + [5, 6, 7]}]  # shares a prefix
+    params = [SamplingParams(max_tokens=30, temperature=0.0)] * 5 + [
+        SamplingParams(max_tokens=30, temperature=0.9, seed=11),
+        SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, n=2, seed=12),
+        *extra,
+        SamplingParams(max_tokens=30, temperature=0.0, logprobs=2),
+    ]
+    return prompts, params
+
+
+def assert_mixed_batch_matches_plain_decoding(folder: str, speculative_config: dict) -> LLM:
+    """mixed_batch() under a small token budget (prompts chunked) and a KV cache too small for it
+    (preemption): the outputs of decoding without speculation, drafts made, no block held after."""
+    prompts, params = mixed_batch()
+    tight = dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=24)
+    reference = tiny_llm(folder, **tight).generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=speculative_config, **tight)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_same_outputs(reference, outputs)
+    assert llm.llm_engine.stats().num_preemptions > 0
+    assert llm.llm_engine.stats().spec_decode.num_draft_tokens > 0
+    assert_no_blocks_held(llm)
+    return llm
+
+
 def test_sampling_with_drafts_is_token_for_token_the_same_stream(tiny_model_factory):
     """Seeded sampling (with top-p, penalties, logprobs and n > 1) gives the very tokens it gives without
     drafts: each kept token is the one the request's own random stream samples at that position."""

@@ -18,7 +18,7 @@ from tokenmill.spec_decode.tree import TokenTree, tree_layout
 from tokenmill.spec_decode.verify import kept_tree_rows
 
 from test_medusa import heads_folder, model_dims, random_heads, target_lm_head
-from test_spec_decode import assert_no_blocks_held, assert_same_outputs, tiny_llm, token_prompts
+from test_spec_decode import assert_no_blocks_held, assert_same_outputs, mixed_batch, tiny_llm, token_prompts
 
 
 def test_tree_shapes():
@@ -117,14 +117,7 @@ def test_medusa_trees_with_sampling_chunks_preemption_and_prefix_caching(tiny_mo
     folder = tiny_model_factory("llama_gqa")
     hidden, vocab = model_dims(folder)
     heads = heads_folder(tmp_path, random_heads(hidden, vocab, num_heads=4, lm_head=target_lm_head(folder), shared=shared))
-    prompts = token_prompts(8, seed=4)
-    prompts += [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + [5, 6, 7]}]  # shares a prefix
-    params = [SamplingParams(max_tokens=30, temperature=0.0)] * 5 + [
-        SamplingParams(max_tokens=30, temperature=0.9, seed=11),
-        SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, n=2, seed=12),
-        SamplingParams(max_tokens=1, temperature=0.0),  # never speculates
-        SamplingParams(max_tokens=30, temperature=0.0, logprobs=2),
-    ]
+    prompts, params = mixed_batch(8, extra=[SamplingParams(max_tokens=1, temperature=0.0)])  # (one never speculates)
     tight = dict(num_kv_blocks=18, block_size=4, max_num_batched_tokens=24)
     reference = tiny_llm(folder, **tight).generate(prompts, params, use_tqdm=False)
     llm = tiny_llm(folder, speculative_config=tree_config(heads, tree_width=3, num_speculative_tokens=3), **tight)
