@@ -24,6 +24,7 @@ from tokenmill.distributed.communicator import TPCommunicator, join_tensor_paral
 from tokenmill.engine.messages import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.executor.base import Executor, ExecutorDiedError
 from tokenmill.errors import TokenmillError
+from tokenmill.layers.linear import HeadPartition
 from tokenmill.loader import ModelSource
 from tokenmill.worker.worker import Worker, WorkerSpec
 
@@ -99,9 +100,22 @@ def follower_main(rank: int, size: int, host: str, port: int, spec: WorkerSpec, 
         os._exit(1)
 
 
+def check_head_split(hf_config, size: int) -> None:
+    """The ModelLoadError a model whose attention heads cannot be split over `size` ranks gives, raised
+    before any rank starts: each rank would fail on its own, and rank 0 could see a follower's exit
+    (an ExecutorDiedError) before its own clear error."""
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if heads is None:
+        return
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    for rank in range(size):
+        HeadPartition.of(int(heads), int(kv_heads), rank, size)
+
+
 class TensorParallelExecutor(Executor):
     def __init__(self, spec: WorkerSpec, source: ModelSource) -> None:
         self.size = spec.config.parallel.tensor_parallel_size
+        check_head_split(source.hf_config, self.size)
         self.comm: TPCommunicator | None = None
         host, port = self.rendezvous_address(), self.rendezvous_port()
         cores = None
