@@ -118,6 +118,9 @@ TINY_MODELS: dict[str, TinySpec] = {
     "gpt2": TinySpec(_gpt2, seed=9),
     # GPT-2's options: exact GELU, a non-default MLP width, attention scaled by 1/(layer+1).
     "gpt2_options": TinySpec(lambda: _gpt2(activation_function="gelu", n_inner=96, scale_attn_by_inverse_layer_idx=True), seed=13),
+    # Wide enough for GGUF's K-quants (blocks of 256 input values): hidden 256, intermediate 512.
+    "llama_wide": TinySpec(lambda: _llama(hidden_size=256, intermediate_size=512, num_hidden_layers=2, tie_word_embeddings=False),
+                           seed=14, std=0.05),
     # Saved in many small shards, to load through model.safetensors.index.json.
     "llama_sharded": TinySpec(lambda: _llama(num_hidden_layers=2, tie_word_embeddings=False), seed=10, save_kwargs={"max_shard_size": "60KB"}),
 }

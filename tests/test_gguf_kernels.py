@@ -31,14 +31,14 @@ TYPES = list(FP16_FIELDS)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def random_packed(qtype: T, rows: int, cols: int, seed: int) -> np.ndarray:
-    """[rows, cols / QK * bytes] uint8 of random valid blocks of qtype."""
+def random_packed(qtype: T, rows: int, cols: int, seed: int, scale: float = 0.02) -> np.ndarray:
+    """[rows, cols / QK * bytes] uint8 of random valid blocks of qtype (fp16 scales ~ N(0, scale))."""
     block, size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
     for offset in FP16_FIELDS[qtype]:
-        scale = (rng.standard_normal(len(blocks)) * 0.02).astype(np.float16)
-        blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+        values = (rng.standard_normal(len(blocks)) * scale).astype(np.float16)
+        blocks[:, offset : offset + 2] = values.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, cols // block * size)
 
 

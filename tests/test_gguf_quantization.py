@@ -9,11 +9,14 @@ tests/test_gguf_kernels.py.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
+from gguf.quants import quantize
 
 from conftest import assert_engine_computes, random_prompts, smollm2_gguf_path
+from test_gguf_kernels import random_packed
 from test_loader import write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import ModelLoadError
@@ -49,6 +52,37 @@ def test_mixed_types_file_computes_its_dequantized_copy(tiny_model_factory, tmp_
     assert [s.ggml_type for s in layer.mlp.gate_up_proj.gguf_segments] == [QT.Q4_1]
     assert _model(packed).model.embed_tokens.weight.gguf.ggml_type == QT.Q8_0
     assert _model(packed).lm_head.weight.gguf.ggml_type == QT.Q4_1
+    assert_engine_computes(packed, reference, atol=1e-4)
+
+
+# A Q4_K_M-like file: Q4_K q/k/gate/up, Q6_K v/down and LM head, Q5_K o_proj, Q8_0 embedding.
+K_MIXED = {"attn_q": QT.Q4_K, "attn_k": QT.Q4_K, "attn_v": QT.Q6_K, "attn_output": QT.Q5_K, "ffn_gate": QT.Q4_K, "ffn_up": QT.Q4_K,
+           "ffn_down": QT.Q6_K, "token_embd": QT.Q8_0, "output": QT.Q6_K}
+
+
+def k_quant_blocks(weight: np.ndarray, qtype: QT) -> np.ndarray:
+    """gguf-py has no encoder for the K-quants: random valid blocks of the weight's shape stand in for
+    llama-quantize's (both engines read the same file, so what the blocks hold does not matter)."""
+    if qtype == QT.Q8_0:
+        return quantize(weight, qtype)
+    rows, cols = weight.shape
+    return random_packed(qtype, rows, cols, seed=rows * 7 + cols, scale=0.0002)
+
+
+@needs_kernels
+def test_k_quant_file_computes_its_dequantized_copy(tiny_model_factory, tmp_path):
+    """Q4_K, Q5_K and Q6_K layers through the engine: fused QKV split by type (Q4_K q/k, Q6_K v),
+    fused gate-up, a Q6_K LM head, chunks of 1, 3 and 64 rows and greedy tokens, against the file
+    dequantized at load."""
+    quant = lambda name: next((t for key, t in K_MIXED.items() if f".{key}." in f".{name}"), None)  # noqa: E731
+    path = str(write_gguf(tiny_model_factory("llama_wide"), tmp_path / "k.gguf", quant=quant, encode=k_quant_blocks))
+    kw = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=128, block_size=4)
+    packed, reference = LLM(path, quantization="gguf", **kw), LLM(path, **kw)
+    layer = _model(packed).model.layers[0]
+    assert [s.ggml_type for s in layer.self_attn.qkv_proj.gguf_segments] == [QT.Q4_K, QT.Q6_K]
+    assert [s.ggml_type for s in layer.mlp.gate_up_proj.gguf_segments] == [QT.Q4_K]
+    assert layer.self_attn.o_proj.gguf_segments[0].ggml_type == QT.Q5_K
+    assert _model(packed).lm_head.weight.gguf.ggml_type == QT.Q6_K
     assert_engine_computes(packed, reference, atol=1e-4)
 
 

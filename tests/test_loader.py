@@ -272,10 +272,12 @@ def _llama3_rope_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_gguf(hf_folder: str, out: Path, quant: QT | Callable[[str], QT | None] | None = None) -> Path:
+def write_gguf(hf_folder: str, out: Path, quant: QT | Callable[[str], QT | None] | None = None,
+               encode: Callable[[np.ndarray, QT], np.ndarray] = quantize) -> Path:
     """Convert a tiny HF folder to GGUF as llama.cpp does: metadata keys, tensor names, q/k permuted
     for llama, GPT-2's Conv1D weights transposed, 2-D weights quantized when `quant` is given (a
-    type, or a function of the GGUF tensor name giving each one's type, None for float32)."""
+    type, or a function of the GGUF tensor name giving each one's type, None for float32) by
+    `encode` (gguf's quantize; it has no encoder for the K-quants, whose tests give their own)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_folder)
@@ -331,7 +333,7 @@ def write_gguf(hf_folder: str, out: Path, quant: QT | Callable[[str], QT | None]
     for name, w in tensors:
         qtype = quant(name) if callable(quant) else quant
         if qtype is not None and w.ndim == 2:
-            writer.add_tensor(name, quantize(w, qtype), raw_dtype=qtype)
+            writer.add_tensor(name, encode(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
     writer.write_header_to_file()
