@@ -28,6 +28,18 @@ Steps (--steps, comma-separated; default all, in this order):
   tokenmill-serve `tokenmill serve` + `tokenmill bench serve` (all requests at once).
   llamacpp        llama-server + `tokenmill bench serve` (llama.cpp has no offline batch API here).
   vllm-serve      vLLM's OpenAI server + `tokenmill bench serve`.
+  quant           quantized weights, one request at a time (the `single` workload, served) on SmolLM2:
+                  tokenmill and llama-server on the same GGUF files (the embedded Q4_1 one, and Q8_0
+                  and Q4_0 made by the tree's llama-quantize from the model's float GGUF; tokenmill
+                  with -q gguf keeps them packed), tokenmill's -q int8 and -q int4 (groups of 32) at
+                  load from the float folder, and both engines unquantized; plus tokenmill's
+                  perplexity (`tokenmill bench perplexity`) of each.
+  spec            speculative decoding, one request at a time (served) on SmolLM2: `edit` (8 chat
+                  requests to copy a ~160-token passage with one word changed, stopping at EOS: where
+                  prompt lookup pays) and `chat` (8 open-ended chat prompts, 128 tokens). tokenmill
+                  without speculation, with `ngram` (k=4) and with the quantized self-draft (int4,
+                  k=3); llama-server without, with `--spec-type ngram-simple` and with the Q4_0 file
+                  as its draft model (k=3); vLLM's server without and with `ngram` (k=4).
   table           the table: engine, mode, model, workload, output tok/s, req/s, mean TTFT, and
                   the ratio to tokenmill in the same mode (serving engines against tokenmill's
                   server, offline ones against tokenmill offline). Also WORK/results/summary.json.
@@ -43,8 +55,9 @@ tokenmill.bench.datasets with seed 0, special tokens avoided; greedy; EOS ignore
   single    servers only: 8 requests of 128 in / 128 out, one at a time (single-request decode)
   rate4     servers only: 100 requests of 128 in / 128 out, Poisson arrivals at 4 requests/s
 
-Results go to WORK/results/<engine>-<model>-<workload>.json (the JSON of `tokenmill bench`, or
-the same keys), logs to WORK/logs/. A step that fails is logged and the others go on. WORK is
+Results go to WORK/results/<class>-<dtype>/<engine>-<model>-<workload>.json (the JSON of `tokenmill
+bench`, or the same keys), <class> being the CPU's (amx, avx512, avx2 or baseline; --dtype auto picks
+bfloat16 where the CPU has native bf16, float32 elsewhere); logs to WORK/logs/. A step that fails is logged and the others go on. WORK is
 --work-dir (default ~/.cache/tokenmill-peers). Facts this relies on: vLLM's CPU build needs the
 `if __name__ == "__main__":` guard and gpu_memory_utilization=0.5 offline, and
 VLLM_CPU_OMP_THREADS_BIND=0-(N-1) to use all N cores (by default it reserves one); its server
@@ -68,7 +81,8 @@ import urllib.request
 from pathlib import Path
 
 STEPS = [
-    "model", "vllm-install", "llamacpp-build", "tokenmill", "hf", "vllm", "tokenmill-serve", "llamacpp", "vllm-serve", "table",
+    "model", "vllm-install", "llamacpp-build", "tokenmill", "hf", "vllm", "tokenmill-serve", "llamacpp", "vllm-serve", "quant",
+    "spec", "table",
 ]
 WORKLOADS = {
     "A": ["--dataset", "random", "--num-prompts", "32", "--input-len", "128", "--output-len", "128"],
@@ -103,7 +117,9 @@ class Ctx:
         self.args = args
         self.work = Path(args.work_dir).expanduser().resolve()
         self.models_dir = self.work / "models"
-        self.results = self.work / "results"
+        self.machine = machine_class()
+        # One directory per machine class and dtype, so runs on different CPUs never mix their figures.
+        self.results = self.work / "results" / f"{self.machine['isa']}-{args.dtype}"
         self.logs = self.work / "logs"
         for d in (self.models_dir, self.results, self.logs):
             d.mkdir(parents=True, exist_ok=True)
@@ -124,6 +140,41 @@ class Ctx:
 
     def llama_server(self) -> Path:
         return self.llama_build / "bin" / "llama-server"
+
+    def llama_quantize(self) -> Path:
+        return self.llama_build / "bin" / "llama-quantize"
+
+
+FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                     "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def machine_class() -> dict:
+    """The CPU the figures belong to: its model name, the SIMD flags that decide every engine's kernels, and a
+    short class name (amx, avx512, avx2 or baseline) that names the results directory."""
+    name, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    isa = next((c for c, f in (("amx", "amx_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")) if f in flags), "baseline")
+    return {"cpu": name, "flags": [f for f in FLAGS_OF_INTEREST if f in flags], "isa": isa, "cpus": os.cpu_count() or 1}
+
+
+def resolve_dtype(dtype: str) -> str:
+    """'auto' as tokenmill resolves it on a CPU: bfloat16 where the CPU has native bf16, float32 elsewhere
+    (bf16 matmuls without AVX512-BF16 or AMX run far slower than float32 in every engine)."""
+    if dtype != "auto":
+        return dtype
+    from tokenmill.config import cpu_has_native_bf16
+
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
 def run(cmd: list, log_file: Path, env: dict | None = None, timeout: float | None = None, cwd: Path | None = None) -> None:
@@ -384,7 +435,7 @@ def step_llamacpp_build(ctx: Ctx) -> None:
     if cmake is None:  # cmake from PyPI, as pip's own build of llama-cpp-python would use
         run([sys.executable, "-m", "pip", "install", "cmake", "ninja"], log_file)
         cmake = shutil.which("cmake") or str(Path(sys.executable).parent / "cmake")
-    if not ctx.llama_server().exists():
+    if not (ctx.llama_server().exists() and ctx.llama_quantize().exists()):
         # The UI flags differ between llama.cpp versions; unknown ones are ignored (a cmake warning).
         flags = [
             "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -392,7 +443,7 @@ def step_llamacpp_build(ctx: Ctx) -> None:
             "-DLLAMA_USE_PREBUILT_WEBUI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
         ]
         run([cmake, "-S", tree, "-B", ctx.llama_build, *flags], log_file)
-        run([cmake, "--build", ctx.llama_build, "--config", "Release", "--target", "llama-server", "-j", str(ctx.ncpu)], log_file)
+        run([cmake, "--build", ctx.llama_build, "--config", "Release", "--target", "llama-server", "llama-quantize", "-j", str(ctx.ncpu)], log_file)
     for model in ctx.args.models:
         convert_to_gguf(ctx, model, tree, log_file)
 
@@ -432,9 +483,10 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
 
 
-def serve_and_bench(ctx: Ctx, engine: str, model: str, workloads: list[str], start_cmd: list, env: dict | None,
+def serve_and_bench(ctx: Ctx, engine: str, model: str, workloads: list, start_cmd: list, env: dict | None,
                     ready_timeout: float, extra_body: dict | None = None, served_name: str | None = SERVED_NAME) -> None:
-    """Start a server, run `tokenmill bench serve` for each workload, stop the server."""
+    """Start a server, run `tokenmill bench serve` for each workload (a name from WORKLOADS, or a (name,
+    bench arguments) pair), stop the server."""
     port = ctx.args.port
     log_file = ctx.logs / f"{engine}-server.log"
     log("$ " + " ".join(str(c) for c in start_cmd))
@@ -446,8 +498,9 @@ def serve_and_bench(ctx: Ctx, engine: str, model: str, workloads: list[str], sta
     try:
         wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, ready_timeout)
         for w in workloads:
+            w, bench_args = (w, WORKLOADS[w]) if isinstance(w, str) else w
             cmd = [ctx.python, "-m", "tokenmill.entrypoints.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-                   "--tokenizer", ctx.model_dir(model), *WORKLOADS[w], "--json", ctx.result(engine, model, w)]
+                   "--tokenizer", ctx.model_dir(model), *bench_args, "--json", ctx.result(engine, model, w)]
             if served_name:
                 cmd += ["--model", served_name]
             if extra_body:
@@ -521,6 +574,180 @@ def step_vllm_serve(ctx: Ctx) -> None:
             serve_and_bench(ctx, "vllm-serve", model, workloads, cmd, vllm_env(ctx), ready_timeout=900)
 
 
+# -- quantized weights, one request at a time ----------------------------------------------
+QUANT_MODEL = "smollm2"
+# (label, GGUF type or None, tokenmill's options); a GGUF type runs on both engines from the same file.
+QUANT_METHODS = [
+    ("none", None, []),
+    ("int8", None, ["-q", "int8"]),
+    ("int4 g32", None, ["-q", "int4", "--quantization-options", '{"group_size": 32}']),
+    ("gguf Q8_0", "Q8_0", ["-q", "gguf"]),
+    ("gguf Q4_0", "Q4_0", ["-q", "gguf"]),
+    ("gguf Q4_1", "Q4_1", ["-q", "gguf"]),
+]
+LLAMA_FOR = {"none": None, "int8": "Q8_0", "int4 g32": "Q4_0"}  # what llama.cpp runs for tokenmill's at-load methods
+
+
+def quant_gguf(ctx: Ctx, qtype: str | None) -> Path:
+    """The GGUF file of SmolLM2 in this type: the embedded file for Q4_1 (the type it ships in), the float
+    conversion for None, llama-quantize's output from the float conversion otherwise."""
+    from tokenmill.loader.default_model import default_model_path
+
+    if qtype == "Q4_1":
+        return Path(default_model_path())
+    source = ctx.gguf(QUANT_MODEL)
+    if not source.exists():
+        convert_to_gguf(ctx, QUANT_MODEL, _llama_cpp_tree(ctx), ctx.logs / "llamacpp-build.log")
+    if qtype is None:
+        return source
+    out = ctx.models_dir / f"{QUANT_MODEL}-{qtype}.gguf"
+    if not out.exists():
+        run([ctx.llama_quantize(), source, out, qtype], ctx.logs / "llamacpp-build.log")
+    return out
+
+
+def _quant_tag(label: str) -> str:
+    return label.replace(" ", "-")
+
+
+def step_quant(ctx: Ctx) -> None:
+    if not (ctx.llama_server().exists() and ctx.llama_quantize().exists()):
+        raise RuntimeError(f"{ctx.llama_server()} or llama-quantize is missing: run the llamacpp-build step first")
+    if not (ctx.model_dir(QUANT_MODEL) / "config.json").exists():
+        raise RuntimeError(f"{ctx.model_dir(QUANT_MODEL)} is missing: run the model step with --models {QUANT_MODEL}")
+    name_flags, name = _tokenmill_serve_flags(ctx)
+    for label, qtype, options in QUANT_METHODS:
+        model = quant_gguf(ctx, qtype) if qtype else ctx.model_dir(QUANT_MODEL)
+        tag = _quant_tag(label)
+        run([ctx.python, "-m", "tokenmill.entrypoints.cli", "bench", "perplexity", "--model", model, "--dtype", ctx.args.dtype,
+             *options, "--json", ctx.result("tokenmill-ppl", QUANT_MODEL, tag)], ctx.logs / "quant.log")
+        cmd = [ctx.python, "-m", "tokenmill.entrypoints.cli", "serve", "--model", model, "--dtype", ctx.args.dtype, *options,
+               "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(ctx.args.port), *name_flags]
+        serve_and_bench(ctx, f"tokenmill-serve-{tag}", QUANT_MODEL, ["single"], cmd, None, ready_timeout=300,
+                        served_name=name)
+    for qtype in ["none", "Q8_0", "Q4_0", "Q4_1"]:
+        gguf = quant_gguf(ctx, None if qtype == "none" else qtype)
+        cmd = [ctx.llama_server(), "-m", gguf, "--host", "127.0.0.1", "--port", str(ctx.args.port), "--alias", SERVED_NAME,
+               "-t", str(ctx.ncpu), "-tb", str(ctx.ncpu), "-np", "1", "-c", str(MAX_MODEL_LEN)]
+        serve_and_bench(ctx, f"llamacpp-{qtype}", QUANT_MODEL, ["single"], cmd, None, ready_timeout=300)
+
+
+def quant_table(ctx: Ctx) -> list[dict]:
+    """Rows of the quantization table from what step quant left: p50 TPOT of each engine and tokenmill's perplexity."""
+    def load(engine: str, workload: str) -> dict | None:
+        path = ctx.result(engine, QUANT_MODEL, workload)
+        return json.loads(path.read_text()) if path.exists() else None
+
+    base = load("tokenmill-serve-none", "single")
+    base_ppl = load("tokenmill-ppl", "none")
+    rows = []
+    for label, qtype, _ in QUANT_METHODS:
+        tm, ppl = load(f"tokenmill-serve-{_quant_tag(label)}", "single"), load("tokenmill-ppl", _quant_tag(label))
+        if tm is None:
+            continue
+        llama_type = qtype or LLAMA_FOR[label]
+        llama = load(f"llamacpp-{llama_type or 'none'}", "single")
+        row = {"method": label, "tokenmill_tpot_ms": tm["median_tpot_ms"],
+               "llamacpp_type": llama_type or ctx.args.dtype, "llamacpp_tpot_ms": llama["median_tpot_ms"] if llama else None,
+               "perplexity": ppl["perplexity"] if ppl else None}
+        row["speedup_vs_unquantized"] = base["median_tpot_ms"] / tm["median_tpot_ms"] if base else None
+        row["tokenmill_over_llamacpp"] = row["llamacpp_tpot_ms"] / tm["median_tpot_ms"] if llama else None
+        row["perplexity_delta"] = (row["perplexity"] / base_ppl["perplexity"] - 1) if ppl and base_ppl else None
+        rows.append(row)
+    if rows:
+        print(f"\nquantized weights, {QUANT_MODEL}, one request at a time (served, 128 in / 128 out): p50 time per output token")
+        print(f"{'method':<12}{'perplexity':>12}{'delta':>9}{'tokenmill ms':>14}{'vs none':>9}{'llama.cpp':>11}{'ms':>8}"
+              f"{'tokenmill speed over llama.cpp':>32}")
+        fmt = lambda v, f: f.format(v) if v is not None else "-"  # noqa: E731
+        for r in rows:
+            print(f"{r['method']:<12}{fmt(r['perplexity'], '{:.3f}'):>12}{fmt(r['perplexity_delta'], '{:+.2%}'):>9}"
+                  f"{r['tokenmill_tpot_ms']:>14.2f}{fmt(r['speedup_vs_unquantized'], '{:.2f}x'):>9}{r['llamacpp_type']:>11}"
+                  f"{fmt(r['llamacpp_tpot_ms'], '{:.2f}'):>8}{fmt(r['tokenmill_over_llamacpp'], '{:.2f}x'):>32}")
+    return rows
+
+
+# -- speculative decoding, one request at a time -------------------------------------------
+SPEC_WORKLOADS = {
+    "edit": ["--dataset", "edit", "--num-prompts", "8", "--input-len", "160", "--max-concurrency", "1", "--no-ignore-eos"],
+    "chat": ["--dataset", "chat", "--num-prompts", "8", "--output-len", "128", "--max-concurrency", "1"],
+}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+SELF_DRAFT = {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 3}
+# (engine, proposer, workloads); the proposers' settings are in step_spec.
+SPEC_RUNS = [
+    ("tokenmill-serve", "none", ["edit", "chat"]), ("tokenmill-serve", "ngram", ["edit"]),
+    ("tokenmill-serve", "draft", ["edit", "chat"]),
+    ("llamacpp", "none", ["edit", "chat"]), ("llamacpp", "ngram", ["edit"]), ("llamacpp", "draft", ["edit", "chat"]),
+    ("vllm-serve", "none", ["edit"]), ("vllm-serve", "ngram", ["edit"]),
+]
+
+
+def step_spec(ctx: Ctx) -> None:
+    model_dir = ctx.model_dir(QUANT_MODEL)
+    if not (model_dir / "config.json").exists():
+        raise RuntimeError(f"{model_dir} is missing: run the model step with --models {QUANT_MODEL}")
+    name_flags, name = _tokenmill_serve_flags(ctx)
+    failed = []
+    for engine, proposer, workloads in SPEC_RUNS:
+        tag = f"{engine}-spec-{proposer}"
+        bench = [(f"{w}-1", SPEC_WORKLOADS[w]) for w in workloads]
+        try:
+            if engine == "tokenmill-serve":
+                spec = {"ngram": NGRAM, "draft": SELF_DRAFT}.get(proposer)
+                cmd = [ctx.python, "-m", "tokenmill.entrypoints.cli", "serve", "--model", model_dir, "--dtype", ctx.args.dtype,
+                       "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(ctx.args.port), *name_flags]
+                if spec:
+                    cmd += ["--speculative-config", json.dumps(spec)]
+                serve_and_bench(ctx, tag, QUANT_MODEL, bench, cmd, None, ready_timeout=300, served_name=name)
+            elif engine == "llamacpp":
+                if not ctx.llama_server().exists():
+                    raise RuntimeError(f"{ctx.llama_server()} is missing: run the llamacpp-build step first")
+                cmd = [ctx.llama_server(), "-m", quant_gguf(ctx, None), "--host", "127.0.0.1", "--port", str(ctx.args.port),
+                       "--alias", SERVED_NAME, "-t", str(ctx.ncpu), "-tb", str(ctx.ncpu), "-np", "1", "-c", str(MAX_MODEL_LEN)]
+                if proposer == "ngram":
+                    cmd += ["--spec-type", "ngram-simple"]
+                elif proposer == "draft":
+                    cmd += ["-md", quant_gguf(ctx, "Q4_0"), "--spec-draft-n-max", "3", "-td", str(ctx.ncpu)]
+                serve_and_bench(ctx, tag, QUANT_MODEL, bench, cmd, None, ready_timeout=300)
+            else:
+                if not ctx.vllm_python.exists():
+                    raise RuntimeError(f"{ctx.vllm_python} is missing: run the vllm-install step first")
+                cmd = [ctx.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                       "--dtype", ctx.args.dtype, "--max-model-len", str(MAX_MODEL_LEN), "--port", str(ctx.args.port),
+                       "--host", "127.0.0.1", "--served-model-name", SERVED_NAME, "--seed", "0"]
+                if proposer == "ngram":
+                    cmd += ["--speculative-config", json.dumps({**NGRAM, "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
+                serve_and_bench(ctx, tag, QUANT_MODEL, bench, cmd, vllm_env(ctx), ready_timeout=900)
+        except Exception as exc:  # noqa: BLE001 - one engine's failure (e.g. a proposer it lacks) must not lose the rest
+            log(f"spec {tag} failed: {exc}")
+            failed.append(tag)
+    if failed:
+        raise RuntimeError(f"failed: {', '.join(failed)}")
+
+
+def spec_table(ctx: Ctx) -> list[dict]:
+    """Rows of the speculative decoding table: p50 TPOT per engine, proposer and workload, and the speed-up over
+    the same engine without speculation."""
+    rows = []
+    for w in SPEC_WORKLOADS:
+        for engine, proposer, workloads in SPEC_RUNS:
+            path = ctx.result(f"{engine}-spec-{proposer}", QUANT_MODEL, f"{w}-1")
+            if w not in workloads or not path.exists():
+                continue
+            tpot = json.loads(path.read_text())["median_tpot_ms"]
+            base_path = ctx.result(f"{engine}-spec-none", QUANT_MODEL, f"{w}-1")
+            base = json.loads(base_path.read_text())["median_tpot_ms"] if base_path.exists() else None
+            rows.append({"workload": w, "engine": engine, "proposer": proposer, "median_tpot_ms": tpot,
+                         "speedup": base / tpot if base and tpot else None})
+    if rows:
+        print(f"\nspeculative decoding, {QUANT_MODEL}, one request at a time (served): p50 time per output token")
+        print(f"{'workload':<10}{'engine':<17}{'proposer':<10}{'p50 TPOT ms':>13}{'vs none':>9}")
+        for r in rows:
+            speedup = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+            print(f"{r['workload']:<10}{r['engine']:<17}{r['proposer']:<10}{r['median_tpot_ms']:>13.2f}{speedup:>9}")
+    return rows
+
+
 # -- the table ---------------------------------------------------------------------------
 ENGINES = [("tokenmill", "offline"), ("hf", "offline"), ("vllm", "offline"),
            ("tokenmill-serve", "serve"), ("llamacpp", "serve"), ("vllm-serve", "serve")]
@@ -551,32 +778,38 @@ def step_table(ctx: Ctx) -> None:
                 ratio = fig["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else None
                 rows.append({"engine": engine, "mode": mode, "model": model, "workload": w, **fig,
                              "ratio_to_tokenmill": ratio, "ratio_against": ref if ratio is not None else None})
-    if not rows:
+    print(f"{ctx.machine['cpu']}, {ctx.machine['cpus']} CPUs, flags {' '.join(ctx.machine['flags'])}; every engine in {ctx.args.dtype}")
+    if rows:
+        header = (f"{'engine':<16}{'mode':<9}{'model':<10}{'workload':<11}{'out tok/s':>11}{'req/s':>9}{'TTFT ms':>10}"
+                  f"{'p50 TTFT':>10}{'p50 TPOT':>10}{'vs tokenmill':>14}")
+        print(header)
+        print("-" * len(header))
+        for r in rows:
+            ttft = f"{r['mean_ttft_ms']:.0f}" if r["mean_ttft_ms"] is not None else "-"
+            ratio = f"{r['ratio_to_tokenmill']:.2f}x" if r["ratio_to_tokenmill"] is not None else "-"
+            if r["ratio_against"] == "tokenmill" and r["mode"] == "serve":
+                ratio += "*"
+            p50 = [f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in ("median_ttft_ms", "median_tpot_ms")]
+            print(f"{r['engine']:<16}{r['mode']:<9}{r['model']:<10}{r['workload']:<11}{r['output_tok_s']:>11.1f}"
+                  f"{r['req_s']:>9.2f}{ttft:>10}{p50[0]:>10}{p50[1]:>10}{ratio:>14}")
+        print("vs tokenmill: output tokens/s over tokenmill's in the same mode (* against tokenmill offline: its server was"
+              " not measured); p50 TTFT / TPOT (ms): served runs only")
+    quant_rows = quant_table(ctx)
+    spec_rows = spec_table(ctx)
+    if not rows and not quant_rows and not spec_rows:
         log(f"no results under {ctx.results} yet")
         return
-    header = (f"{'engine':<16}{'mode':<9}{'model':<10}{'workload':<11}{'out tok/s':>11}{'req/s':>9}{'TTFT ms':>10}"
-              f"{'p50 TTFT':>10}{'p50 TPOT':>10}{'vs tokenmill':>14}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        ttft = f"{r['mean_ttft_ms']:.0f}" if r["mean_ttft_ms"] is not None else "-"
-        ratio = f"{r['ratio_to_tokenmill']:.2f}x" if r["ratio_to_tokenmill"] is not None else "-"
-        if r["ratio_against"] == "tokenmill" and r["mode"] == "serve":
-            ratio += "*"
-        p50 = [f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in ("median_ttft_ms", "median_tpot_ms")]
-        print(f"{r['engine']:<16}{r['mode']:<9}{r['model']:<10}{r['workload']:<11}{r['output_tok_s']:>11.1f}"
-              f"{r['req_s']:>9.2f}{ttft:>10}{p50[0]:>10}{p50[1]:>10}{ratio:>14}")
-    print("vs tokenmill: output tokens/s over tokenmill's in the same mode (* against tokenmill offline: its server was not measured);"
-          " p50 TTFT / TPOT (ms): served runs only")
     summary = ctx.results / "summary.json"
-    summary.write_text(json.dumps({"dtype": ctx.args.dtype, "cpus": ctx.ncpu, "rows": rows}, indent=2))
+    summary.write_text(json.dumps({"dtype": ctx.args.dtype, "machine": ctx.machine, "rows": rows, "quantized": quant_rows,
+                                       "speculative": spec_rows}, indent=2))
     log(f"wrote {summary}")
 
 
 STEP_FUNCS = {
     "model": step_model, "vllm-install": step_vllm_install, "llamacpp-build": step_llamacpp_build,
     "tokenmill": step_tokenmill, "hf": step_hf, "vllm": step_vllm, "tokenmill-serve": step_tokenmill_serve,
-    "llamacpp": step_llamacpp, "vllm-serve": step_vllm_serve, "table": step_table,
+    "llamacpp": step_llamacpp, "vllm-serve": step_vllm_serve, "quant": step_quant, "spec": step_spec,
+    "table": step_table,
 }
 
 
@@ -597,7 +830,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated, from: A, B, C, C-nocache, single, rate4 (the last two: servers only)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: tiny100m, smollm2")
     parser.add_argument("--work-dir", default="~/.cache/tokenmill-peers", help="venvs, builds, models, results, logs")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="every engine's dtype (default bfloat16, as the issue measures)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="every engine's dtype (default auto: bfloat16 on CPUs with native bf16, float32 elsewhere)")
     parser.add_argument("--port", type=int, default=8123, help="port of the server under test")
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
     parser.add_argument("--model-name", help=argparse.SUPPRESS)
@@ -606,7 +840,11 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = _csv(args.steps, STEPS, "steps")
     args.workloads = _csv(args.workloads, list(WORKLOADS), "workloads")
     args.models = _csv(args.models, MODELS, "models")
+    args.dtype = resolve_dtype(args.dtype)
     ctx = Ctx(args)
+    if args.mode == "run":
+        log(f"{ctx.machine['cpu']}, {ctx.machine['cpus']} CPUs, flags {' '.join(ctx.machine['flags'])}: "
+            f"class {ctx.machine['isa']}, dtype {args.dtype}; results in {ctx.results}")
     if args.mode == "_hf-run":
         hf_run(ctx, args.model_name, args.workload)
         return 0
