@@ -48,6 +48,13 @@ CONFIGS = {
     "eagle k2": {"method": "eagle", "num_speculative_tokens": 2},
     "eagle k3": {"method": "eagle", "num_speculative_tokens": 3},
     "eagle k4": {"method": "eagle", "num_speculative_tokens": 4},
+    # EAGLE trees: the top-1 chain with candidates beside it (the draft passes follow the chain only).
+    "eagle k1 w2": {"method": "eagle", "num_speculative_tokens": 1, "tree_width": 2},
+    "eagle k1 w3": {"method": "eagle", "num_speculative_tokens": 1, "tree_width": 3},
+    "eagle k2 w2": {"method": "eagle", "num_speculative_tokens": 2, "tree_width": 2},
+    "eagle k2 w3": {"method": "eagle", "num_speculative_tokens": 2, "tree_width": 3},
+    "eagle k3 w2": {"method": "eagle", "num_speculative_tokens": 3, "tree_width": 2},
+    "eagle tree5": {"method": "eagle", "tree": [[0], [1], [2], [0, 0], [0, 0, 0]]},
 }
 
 

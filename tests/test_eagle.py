@@ -176,6 +176,34 @@ def test_trained_head_is_accepted_and_changes_nothing(tiny_model_factory, tmp_pa
     assert stats.accepted_per_pos[1] > 0  # and chained drafts are kept too
     assert_no_blocks_held(llm)
 
+    # A token tree (the top-1 chain and two more candidates beside it at each depth): the same outputs, and
+    # the kept paths (some through a second candidate) keep the draft's rows right for the next steps.
+    tree = tiny_llm(folder, speculative_config={**eagle_config(path, k=3), "tree_width": 3})
+    assert_same_outputs(reference, tree.generate(prompts, params, use_tqdm=False))
+    tree_stats = tree.llm_engine.stats().spec_decode
+    assert tree_stats.num_accepted_tokens >= stats.num_accepted_tokens and tree_stats.accepted_per_pos[2] > 0, tree_stats
+    assert_no_blocks_held(tree)
+
+
+def test_learning_rate_warms_up_then_decays_to_its_floor():
+    from tokenmill.training.eagle import EagleTrainingConfig, lr_factor
+
+    config = EagleTrainingConfig(warmup_frac=0.1, min_lr_frac=0.1)
+    factors = [lr_factor(step, 100, config) for step in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)  # 10 warm-up steps
+    assert all(a >= b for a, b in zip(factors[9:], factors[10:]))  # then it only falls
+    assert factors[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_extra_samples_add_sampled_continuations(tiny_model_factory):
+    """extra_samples=2: each prompt is answered three times (greedy, then two seeded samples), so the head
+    trains on three sequences per prompt."""
+    from tokenmill.training.eagle import EagleTrainingConfig, train_eagle_head
+
+    config = EagleTrainingConfig(max_tokens=8, epochs=1, held_out=0.0, extra_samples=2, draft_vocab=0)
+    _, report = train_eagle_head(tiny_llm(tiny_model_factory("llama_gqa")), token_prompts(3, seed=2), config, use_tqdm=False)
+    assert report.num_sequences == 9
+
 
 def test_train_eagle_command_line(tmp_path, capsys):
     """Bad flags are one-line errors, before any model loads (the README's SmolLM2 run is the real thing)."""

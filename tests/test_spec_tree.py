@@ -1,4 +1,4 @@
-"""Token trees (spec_decode/tree.py) with Medusa heads: the tree shapes and their checks, tree attention
+"""Token trees (spec_decode/tree.py) with Medusa heads and EAGLE heads: the tree shapes and their checks, tree attention
 on the PyTorch reference backend against plain masked attention, the kept path's rule, and greedy and
 seeded decoding with trees giving exactly the tokens of decoding without speculation (batches mixing
 speculating and plain requests, prompt chunks, preemption, prefix caching), with no KV blocks held after."""
@@ -37,6 +37,8 @@ def test_tree_config_errors():
     medusa = {"method": "medusa", "model": "heads"}
     assert SpeculativeConfig.from_dict({**medusa, "tree": [[0], [1], [0, 0]]}).num_speculative_tokens == 2  # the tree's depth
     assert SpeculativeConfig.from_dict({**medusa, "tree_width": 1}).token_tree() is None  # a chain
+    eagle = SpeculativeConfig.from_dict({"method": "eagle", "model": "h", "tree": [[0], [1], [0, 0], [0, 2]]})
+    assert eagle.token_tree().parents() == [-1, -1, 0, 0]
     for bad, message in [
         ({**medusa, "tree": [[0], [1, 0]]}, r"tree path \[1, 0\] has no parent: add \[1\]"),
         ({**medusa, "tree": [[0], [0]]}, r"lists path \[0\] twice"),
@@ -46,7 +48,8 @@ def test_tree_config_errors():
         ({**medusa, "tree": [[0]], "tree_width": 2}, 'give "tree" or "tree_width", not both'),
         ({**medusa, "tree_width": 0}, "tree_width must be an integer >= 1"),
         ({**medusa, "tree_width": 30, "num_speculative_tokens": 3}, "<= 64"),
-        ({"method": "ngram", "tree_width": 2}, '"tree" and "tree_width" belong to the medusa'),
+        ({"method": "ngram", "tree_width": 2}, '"tree" and "tree_width" belong to the medusa and eagle'),
+        ({"method": "eagle", "model": "h", "tree": [[0], [1], [1, 0]]}, r"an eagle tree branches off the top-1 chain only"),
     ]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_dict(bad)
@@ -132,6 +135,25 @@ def test_medusa_trees_with_sampling_chunks_preemption_and_prefix_caching(tiny_mo
     assert stats.num_preemptions > 0
     assert stats.spec_decode.num_draft_tokens > 0 and stats.spec_decode.num_accepted_tokens > 0
     assert len(stats.spec_decode.accepted_per_pos) == 3  # per depth, not per node
+    assert_no_blocks_held(llm)
+
+
+@pytest.mark.parametrize("tree", [{"tree_width": 3, "num_speculative_tokens": 3}, {"tree": [[0], [1], [0, 0], [0, 1], [0, 2], [0, 0, 0]]}])
+def test_eagle_trees_with_sampling_chunks_preemption_and_prefix_caching(tiny_model_factory, tmp_path, tree):
+    """An EAGLE head drafting trees (the top-1 chain and candidates beside it) in the mixed batch of the
+    Medusa test above: the outputs of decoding without speculation, nothing held after."""
+    from test_eagle import head_folder, random_head
+
+    folder = tiny_model_factory("llama_gqa")
+    head = head_folder(tmp_path, random_head(folder))
+    prompts, params = mixed_batch(8, extra=[SamplingParams(max_tokens=1, temperature=0.0)])
+    tight = dict(num_kv_blocks=18, block_size=4, max_num_batched_tokens=24)
+    reference = tiny_llm(folder, **tight).generate(prompts, params, use_tqdm=False)
+    config = {"method": "eagle", "model": head, "disable_by_batch_size": None, **tree}
+    llm = tiny_llm(folder, speculative_config=config, **tight)
+    assert_same_outputs(reference, llm.generate(prompts, params, use_tqdm=False))
+    stats = llm.llm_engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_decode.num_draft_tokens > 0
     assert_no_blocks_held(llm)
 
 

@@ -176,7 +176,7 @@ class StructuredOutputsConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle")
-TREE_METHODS = ("medusa",)  # proposers that draft token trees
+TREE_METHODS = ("medusa", "eagle")  # proposers that draft token trees
 # vLLM's names for proposers tokenmill does not run yet: refused by name rather than as unknown.
 _SPECULATIVE_NOT_YET = ("eagle3", "mtp")
 
@@ -200,7 +200,8 @@ class SpeculativeConfig:
     model: str | None = None
     quantization: str | None = None
     quantization_options: dict | None = None
-    # medusa: a token tree instead of a chain (spec_decode/tree.py), verified in one pass with tree attention.
+    # medusa, eagle: a token tree instead of a chain (spec_decode/tree.py), verified in one pass with tree
+    # attention (eagle's branch off its top-1 chain only).
     # tree: Medusa's `medusa_choices`, paths of candidate ranks ([0] head 1's top-1, [0, 1] head 2's second
     # choice after it); its depth is num_speculative_tokens. tree_width: the top-1 chain of
     # num_speculative_tokens with the next tree_width - 1 candidates beside it at every depth (1: a chain).
@@ -249,6 +250,9 @@ class SpeculativeConfig:
         if self.tree is not None and (tree := TokenTree.from_paths(self.tree)).depth != self.num_speculative_tokens:
             raise ValueError(f"the tree is {tree.depth} deep, so it verifies up to {tree.depth} tokens: set num_speculative_tokens "
                              f"to {tree.depth} or leave it out")
+        if self.tree is not None and self.method == "eagle" and any(r for path in tree.paths for r in path[:-1]):
+            raise ValueError("an eagle tree branches off the top-1 chain only (its draft passes follow that chain): every "
+                             f"path is [0, ..., 0, r], got {self.tree!r}")
 
     def token_tree(self) -> TokenTree | None:
         """The static token tree the proposer fills each step, or None for a chain."""

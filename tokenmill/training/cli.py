@@ -63,11 +63,14 @@ def add_train_eagle_parser(sub, add_engine_args: Callable[[argparse.ArgumentPars
     parser.add_argument("--num-layers", type=int, default=defaults.num_layers, help="decoder layers of the head")
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="tokens generated per prompt")
     parser.add_argument("--temperature", type=float, default=defaults.temperature, help="of the generation")
+    parser.add_argument("--extra-samples", type=int, default=defaults.extra_samples,
+                        help="sampled continuations per prompt besides the one at --temperature (more, varied training data)")
+    parser.add_argument("--sample-temperature", type=float, default=defaults.sample_temperature, help="of the extra samples")
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--tokens-per-step", type=int, default=defaults.tokens_per_step, help="positions per optimizer step")
     parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
                         help="tokens the drafts may take, the most frequent in the generated text (0: the whole vocabulary)")
-    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (warm-up, then cosine decay)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     add_engine_args(parser)
     parser.set_defaults(func=cmd_train_eagle)
@@ -79,8 +82,10 @@ def cmd_train_eagle(args: argparse.Namespace) -> None:
     from tokenmill.training.selfdistill import chat_prompts
 
     _check_at_least(("--num-prompts", args.num_prompts, 1), ("--num-layers", args.num_layers, 1), ("--max-tokens", args.max_tokens, 3),
-                    ("--epochs", args.epochs, 1), ("--tokens-per-step", args.tokens_per_step, 1), ("--draft-vocab", args.draft_vocab, 0))
-    config = EagleTrainingConfig(num_layers=args.num_layers, max_tokens=args.max_tokens, temperature=args.temperature, epochs=args.epochs,
+                    ("--epochs", args.epochs, 1), ("--tokens-per-step", args.tokens_per_step, 1), ("--draft-vocab", args.draft_vocab, 0),
+                    ("--extra-samples", args.extra_samples, 0))
+    config = EagleTrainingConfig(num_layers=args.num_layers, max_tokens=args.max_tokens, temperature=args.temperature,
+                                 extra_samples=args.extra_samples, sample_temperature=args.sample_temperature, epochs=args.epochs,
                                  tokens_per_step=args.tokens_per_step, lr=args.lr, draft_vocab=args.draft_vocab, seed=args.seed)
     llm = _generating_llm(args, "train-eagle")
     prompts = chat_prompts(llm.get_tokenizer(), args.prompts_file, args.num_prompts)

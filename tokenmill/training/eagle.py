@@ -1,7 +1,7 @@
 """Train an EAGLE draft head for a model on text the model generates itself (self-distillation, as
 EAGLE does), sharing train-medusa's generation (training/selfdistill.py).
 
-1. The engine generates a continuation for each prompt, keeping every computed position's final
+1. The engine generates a continuation for each prompt (and extra_samples sampled ones), keeping every computed position's final
    hidden state f[t] (what the model's LM head reads).
 2. Row t of the head reads [embedding of x[t + 1], f[t]] and learns f[t + 1] (smooth L1, EAGLE's
    regression loss) and, through the target's frozen LM head, the token x[t + 2] (cross-entropy), with
@@ -10,7 +10,7 @@ EAGLE does), sharing train-medusa's generation (training/selfdistill.py).
    adds, so the head tolerates its own guessed states when it chains.
 3. The draft vocabulary (tokenmill's extension, models/eagle.py): the draft_vocab most frequent tokens
    of the generated text, the only ones the drafts may then take (their rows of the LM head only).
-4. Adam; matmuls in bf16 autocast on CPUs with native bf16; a held-out tenth of the sequences gives the
+4. AdamW with a linear warm-up, cosine decay and gradient clipping (EAGLE's 0.5); matmuls in bf16 autocast on CPUs with native bf16; a held-out tenth of the sequences gives the
    top-1 accuracy of the first draft (an estimate of how often it will be kept).
 
 EagleTrainingHead is the same head in plain PyTorch (transformers' Llama decoder layers, autograd),
@@ -19,6 +19,7 @@ under EAGLE-1/2's checkpoint names: its state_dict is what the loader reads (loa
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tokenmill.loader import load_model_source
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.training.selfdistill import generate_with_states, target_embedding, target_lm_head
 
 # Config keys that are not the draft layers' own (layer_types would describe the target's layers).
@@ -41,9 +43,14 @@ class EagleTrainingConfig:
     num_layers: int = 1
     max_tokens: int = 192  # generated per prompt
     temperature: float = 0.0  # of the generation (0: greedy, what a greedy deployment will see)
+    extra_samples: int = 0  # sampled continuations per prompt besides the one at `temperature`: more, varied data
+    sample_temperature: float = 0.8  # of those
     epochs: int = 20
     tokens_per_step: int = 1024  # rows per optimizer step (whole sequences packed together)
-    lr: float = 1e-3
+    lr: float = 1e-3  # the peak: linear warm-up over warmup_frac of the steps, then cosine decay to min_lr_frac of it
+    warmup_frac: float = 0.05
+    min_lr_frac: float = 0.1
+    grad_clip: float = 0.5  # max gradient norm (EAGLE's); a constant lr with no clipping diverged in long runs
     token_loss_weight: float = 0.1  # EAGLE's: the regression loss weighs 1, the token loss 0.1
     noise: float = 0.1  # uniform noise on the input states, times their RMS
     held_out: float = 0.1  # the fraction of sequences kept for the accuracy estimate
@@ -117,6 +124,15 @@ class EagleTrainingHead(nn.Module):
         return {**config, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": True}
 
 
+def lr_factor(step: int, total_steps: int, config: EagleTrainingConfig) -> float:
+    """The learning rate at an optimizer step over the peak: linear warm-up, then cosine decay to min_lr_frac."""
+    warmup = max(1, round(config.warmup_frac * total_steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return config.min_lr_frac + (1 - config.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def causal_mask(sequence_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An additive mask [B, 1, T, T]: row i sees rows j <= i of its own sequence (sequence_ids [B, T])."""
     t = sequence_ids.shape[1]
@@ -172,8 +188,11 @@ def _batch(pack: list[_Sequence], embedding: torch.Tensor):
 def train_eagle_head(llm, prompts: Sequence, config: EagleTrainingConfig, use_tqdm: bool = True) -> tuple[EagleTrainingHead, EagleTrainingReport]:
     """Generate with `llm` (one engine) from `prompts`, then train an EAGLE head on what it generated."""
     engine = llm.llm_engine
-    collector, outputs, generate_s = generate_with_states(llm, prompts, config.max_tokens, config.temperature, config.seed, use_tqdm,
-                                                          "train-eagle")
+    params = [SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, seed=config.seed)]
+    params += [SamplingParams(max_tokens=config.max_tokens, temperature=config.sample_temperature, seed=config.seed + 1 + i)
+               for i in range(config.extra_samples)]
+    collector, outputs, generate_s = generate_with_states(llm, [p for p in prompts for _ in params], params * len(prompts),
+                                                          use_tqdm, "train-eagle")
     sequences = build_sequences(collector, outputs)
     if not sequences:
         raise ValueError("no training positions: the prompts generated fewer than 3 tokens each")
@@ -189,6 +208,8 @@ def train_eagle_head(llm, prompts: Sequence, config: EagleTrainingConfig, use_tq
     torch.manual_seed(config.seed)
     head = EagleTrainingHead(eagle_layers_config(source.hf_config, config.num_layers))
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
+    total_steps = config.epochs * len(_pack(used, config.tokens_per_step))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, config))
     scale = float(torch.cat([s.states for s in used]).pow(2).mean().sqrt())
     # bf16 matmuls where the CPU has them natively (about 2x faster; weights and optimizer stay float32).
     fast_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -209,7 +230,10 @@ def train_eagle_head(llm, prompts: Sequence, config: EagleTrainingConfig, use_tq
             loss = F.smooth_l1_loss(guess, target_states) + config.token_loss_weight * F.cross_entropy(logits, target_tokens)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if config.grad_clip:
+                torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
             optimizer.step()
+            schedule.step()
             total, steps = total + float(loss.detach()), steps + 1
         losses.append(total / steps)
         bar.set_postfix_str(f"loss {losses[-1]:.3f}")

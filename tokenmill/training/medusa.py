@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.loader import load_model_source
 from tokenmill.models.medusa import MedusaHeads
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.training.selfdistill import HiddenStateCollector, chat_prompts, generate_with_states, target_lm_head
 
 __all__ = ["MedusaTrainingConfig", "MedusaTrainingReport", "build_examples", "train_medusa_heads", "HiddenStateCollector",
@@ -80,8 +81,8 @@ def build_examples(collector: HiddenStateCollector, outputs, num_heads: int) -> 
 def train_medusa_heads(llm, prompts: Sequence, config: MedusaTrainingConfig, use_tqdm: bool = True) -> tuple[MedusaHeads, MedusaTrainingReport]:
     """Generate with `llm` (an LLM: one engine, any tensor_parallel_size) from `prompts`, then train heads."""
     engine = llm.llm_engine
-    collector, outputs, generate_s = generate_with_states(llm, prompts, config.max_tokens, config.temperature, config.seed, use_tqdm,
-                                                          "train-medusa")
+    params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, seed=config.seed)
+    collector, outputs, generate_s = generate_with_states(llm, prompts, params, use_tqdm, "train-medusa")
 
     hiddens, targets = build_examples(collector, outputs, config.num_heads)
     if not hiddens:

@@ -70,10 +70,10 @@ def target_embedding(weights) -> torch.Tensor:
     raise ValueError("could not find the model's input embedding (embed_tokens.weight) in its checkpoint")
 
 
-def generate_with_states(llm, prompts: Sequence, max_tokens: int, temperature: float, seed: int, use_tqdm: bool,
+def generate_with_states(llm, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams], use_tqdm: bool,
                          command: str) -> tuple[HiddenStateCollector, list, float]:
-    """Generate from `prompts` with `llm` (one engine) while keeping every computed position's final
-    hidden state: (the states, the outputs, seconds taken)."""
+    """Generate from `prompts` with `llm` (one engine; `params` one for all or one per prompt) while keeping
+    every computed position's final hidden state: (the states, the outputs, seconds taken)."""
     engine = llm.llm_engine
     runner = getattr(getattr(engine, "executor", None), "driver_runner", None)
     if runner is None:
@@ -84,7 +84,6 @@ def generate_with_states(llm, prompts: Sequence, max_tokens: int, temperature: f
     runner.hidden_observer = collector
     start = time.perf_counter()
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
         outputs = llm.generate(list(prompts), params, use_tqdm=use_tqdm)
     finally:
         runner.hidden_observer = None

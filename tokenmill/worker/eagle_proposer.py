@@ -16,6 +16,13 @@ reads it (attention is causal), so rejections leave nothing stale behind.
 Drafts are greedy (the LM head's top-1, over the head's draft vocabulary if it has one: those rows of
 the LM head, prepacked once like the target's own): any draft is safe (verification keeps only what the target
 samples), so sampling requests are exact too, only less often accepted.
+
+A token tree (speculative_config's "tree_width", or a "tree" whose paths branch only off the top-1
+chain) takes, at each depth, the next candidates of the same pass's guess beside the chain's top-1: the
+node at path [0] * d + [r] is candidate r of pass d + 1. The passes still run along the top-1 chain only
+(one row per request per pass), so a tree costs the target's verification rows, not extra draft passes.
+After verification the runner moves the kept path's rows to a chain's places, and observe() reads the
+kept tokens themselves (not the tree's node order) as the tokens that follow each kept row.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 from tokenmill.engine.messages import DRAFT_PLACEHOLDER, ScheduledChunk
 from tokenmill.layers.quantization.unquantized import PackedCPUWeight, cpu_packed_weights_supported
 from tokenmill.models.eagle import EagleDraftModel
+from tokenmill.spec_decode.tree import TokenTree
 from tokenmill.worker.batch import build_batch_inputs
 from tokenmill.worker.draft_proposer import RunnerBackedProposer, _tokens
 from tokenmill.worker.model_runner import ModelRunner
@@ -58,9 +66,10 @@ class _Pending:
 
 
 class EagleProposer(RunnerBackedProposer):
-    def __init__(self, draft: EagleDraftModel, target: torch.nn.Module, runner: ModelRunner, num_speculative_tokens: int) -> None:
+    def __init__(self, draft: EagleDraftModel, target: torch.nn.Module, runner: ModelRunner, num_speculative_tokens: int,
+                 tree: TokenTree | None = None) -> None:
         """target: the target model, whose input embedding and LM head the draft uses; runner: the draft's
-        own (its paged KV cache, indexed by the target's block tables)."""
+        own (its paged KV cache, indexed by the target's block tables); tree: a token tree (None: a chain)."""
         embed = getattr(getattr(target, "model", None), "embed_tokens", None)
         if embed is None or not hasattr(target, "compute_logits"):
             raise ValueError(f"speculative method \"eagle\" needs a Llama-family model (token embedding and LM head), "
@@ -72,6 +81,9 @@ class EagleProposer(RunnerBackedProposer):
         self.k = num_speculative_tokens
         self._states: dict[str, _Pending] = {}
         self._vocab_head = _vocab_head(target, draft.draft_vocab)
+        # Each tree node's pass (depth - 1) and candidate rank; how many candidates a pass keeps (1: a chain).
+        self._node_pass, self._node_rank = tree.heads_and_ranks() if tree is not None else (np.zeros(0, np.int64),) * 2
+        self.width = int(self._node_rank.max()) + 1 if tree is not None else 1
 
     # -- after each target pass: the rows it kept become pending draft rows ---------------------------
     def observe(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, sampled: list[list[int]]) -> None:
@@ -82,9 +94,11 @@ class EagleProposer(RunnerBackedProposer):
         for chunk, kept in zip(chunks, sampled):
             length = len(chunk.token_ids)
             if chunk.sample and kept:
-                # The real tokens' rows and the kept drafts' rows; each reads the token after it.
-                count = length - len(chunk.spec_token_ids) + len(kept) - 1
-                following = chunk.token_ids[1:count] + [kept[-1]]
+                # The real tokens' rows and the kept drafts' rows; each reads the token after it (the kept
+                # tokens themselves: a tree's nodes are not in path order in token_ids).
+                real = length - len(chunk.spec_token_ids)
+                count = real + len(kept) - 1
+                following = chunk.token_ids[1:real] + kept
             elif chunk.sample:
                 count, following = 0, []  # no token came out (cannot happen for a sampling chunk; be safe)
             else:
@@ -124,36 +138,47 @@ class EagleProposer(RunnerBackedProposer):
                 self._write(chunk, [chunk.token_ids[-k - 1]] * k)
                 continue
             targets.append(chunk)
-            passes.append(replace(chunk, token_ids=pending.tokens, start_pos=pending.start, spec_token_ids=[], sample=True))
+            passes.append(replace(chunk, token_ids=pending.tokens, start_pos=pending.start, spec_token_ids=[], spec_parents=[], sample=True))
             states.append(torch.cat(pending.features) if len(pending.features) > 1 else pending.features[0])
         if not targets:
             return
-        drafts: list[list[int]] = [[] for _ in targets]
+        # Passes each request needs: k for a chain, its first k tree nodes' depth for a tree.
+        needed = [int(self._node_pass[: len(c.spec_token_ids)].max()) + 1 if c.spec_parents else len(c.spec_token_ids)
+                  for c in targets]
+        candidates: list[list[np.ndarray]] = [[] for _ in targets]  # per request, per pass: [width] token ids
         rows = list(range(len(targets)))
         features = torch.cat(states)
-        for i in range(max(len(c.spec_token_ids) for c in targets)):
+        for i in range(max(needed)):
             if i:
-                rows = [j for j in rows if len(targets[j].spec_token_ids) > i]
+                rows = [j for j in rows if needed[j] > i]
                 keep = [rows_before.index(j) for j in rows]
                 features = guesses[keep]
-                passes = [replace(targets[j], token_ids=[drafts[j][-1]], start_pos=passes_end[j] + i - 1, spec_token_ids=[], sample=True)
-                          for j in rows]
+                passes = [replace(targets[j], token_ids=[int(candidates[j][-1][0])], start_pos=passes_end[j] + i - 1,
+                                  spec_token_ids=[], spec_parents=[], sample=True) for j in rows]
             else:
                 passes_end = {j: p.start_pos + len(p.token_ids) for j, p in zip(rows, passes)}
             batch = build_batch_inputs(passes, self.runner.block_size, self.runner.device, self.runner.cascade_attention)
             out = self.draft(self.embed(batch.input_ids), features, batch.positions, batch)
             guesses = out[batch.logits_indices]  # each pass's last row: the guessed state after it
-            tokens = self._top1(guesses)
-            for j, token in zip(rows, tokens):
-                drafts[j].append(token)
+            for j, row in zip(rows, self._top(guesses)):
+                candidates[j].append(row)
             rows_before = rows
-        for chunk, draft in zip(targets, drafts):
-            self._write(chunk, draft)
+        for chunk, found in zip(targets, candidates):
+            per_pass = np.stack(found)  # [passes, width]
+            k = len(chunk.spec_token_ids)
+            if chunk.spec_parents:  # the tree's first k nodes
+                self._write(chunk, per_pass[self._node_pass[:k], self._node_rank[:k]].tolist())
+            else:
+                self._write(chunk, per_pass[:k, 0].tolist())
 
-    def _top1(self, guesses: torch.Tensor) -> list[int]:
+    def _top(self, guesses: torch.Tensor) -> np.ndarray:
+        """Each guessed state's `width` most likely tokens, most likely first: [rows, width]."""
         if self._vocab_head is None:
-            return self.target.compute_logits(guesses).argmax(dim=-1).tolist()
-        return self.draft.draft_vocab[self._vocab_head(guesses).argmax(dim=-1)].tolist()
+            logits, vocab = self.target.compute_logits(guesses), None
+        else:
+            logits, vocab = self._vocab_head(guesses), self.draft.draft_vocab
+        top = logits.argmax(dim=-1, keepdim=True) if self.width == 1 else logits.topk(self.width, dim=-1).indices
+        return (top if vocab is None else vocab[top]).cpu().numpy()
 
     @staticmethod
     def _write(chunk: ScheduledChunk, drafts: list[int]) -> None:
