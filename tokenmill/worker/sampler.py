@@ -12,9 +12,12 @@ before any penalty, mask or temperature. The sampled token's logprob is computed
 row (cheap; cumulative_logprob, best_of and beam search need it); its rank and the top-k
 alternatives only for rows that ask for logprobs.
 
-Randomness comes from a counter-based hash of (request seed, output index, token id), so a
-request's sample depends only on its own seed and position: never on the other requests in
-the batch, and a preempted request resumes with the same tokens.
+Randomness comes from a counter-based hash of (request seed, output index): one uniform per row,
+drawn by inverse CDF over the row's probabilities, so a request's sample depends only on its own
+seed, position and distribution: never on the other requests in the batch, and a preempted
+request resumes with the same tokens. (One number per row, not one per vocabulary entry: an
+exponential race over a [rows, vocab] table of hashed uniforms cost 32 ms a step at 32 rows of a
+49,152-token vocabulary, more than the model's whole decode step; the cumulative sum costs ~1 ms.)
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from tokenmill.kernels import cpu as cpu_kernels
 
 _MASK31 = 0x7FFFFFFF
 _HASH_MUL = 0x45D9F3B  # < 2**31, so a 31-bit value times it stays inside int64
-# Arbitrary 31-bit constants that keep the seed, step and token streams apart.
-_SALT_SEED, _SALT_STEP, _SALT_ROW, _SALT_TOKEN = 0x2545F491, 0x6A09E667 & _MASK31, 0x3C6EF372, 0x510E527F
+# Arbitrary 31-bit constants that keep the seed, step and row streams and the low bits apart.
+_SALT_SEED, _SALT_STEP, _SALT_ROW, _SALT_LOW = 0x2545F491, 0x6A09E667 & _MASK31, 0x3C6EF372, 0x510E527F
 
 def _mix31(x: torch.Tensor) -> torch.Tensor:
     """A 31-bit integer hash (xorshift-multiply rounds); int64 in, int64 in [0, 2**31) out.
@@ -52,18 +55,24 @@ def _seed_key(seeds: torch.Tensor) -> torch.Tensor:
     return _mix31(_mix31(_mix31(low ^ _SALT_SEED) ^ mid) ^ top)
 
 
-def random_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] uniforms in (0, 1), a pure function of (seed, step, token id).
-
-    The row hash and the token hash are combined by addition between mixing rounds rather
-    than by ``row ^ token``: with XOR, two rows whose hashes agree above the low log2(V) bits
-    would get the same numbers merely permuted.
-    """
+def random_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[B] float64 uniforms in [0, 1) with 53 random bits, a pure function of (seed, step)."""
     key = _seed_key(seeds)
     row = _mix31((_mix31(key) + _mix31((steps & _MASK31) ^ _SALT_STEP)) & _MASK31)
-    token = _mix31(torch.arange(vocab_size, device=seeds.device) ^ _SALT_TOKEN)
-    bits = _mix31((_mix31(row ^ _SALT_ROW)[:, None] + token[None, :]) & _MASK31)
-    return (bits.to(torch.float64) + 0.5) / float(1 << 31)
+    high = _mix31(row ^ _SALT_ROW)  # 31 bits
+    low = _mix31(high ^ _SALT_LOW) >> 9  # 22 more
+    return ((high << 22) | low).to(torch.float64) / float(1 << 53)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds uniforms[i] times the row's total
+    ([B, V] probabilities, [B] uniforms in [0, 1)). A token of probability 0 is never chosen: the
+    cumulative sum does not rise there, and u * total rounding up to the total falls back to the last
+    token that has any probability."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    threshold = (uniforms * cdf[:, -1]).unsqueeze(1)
+    sampled = torch.searchsorted(cdf, threshold, right=True).squeeze(1)
+    return torch.minimum(sampled, cdf.argmax(dim=-1))  # argmax: the first index at the total
 
 
 def _to_int64(seed: int) -> int:
@@ -410,8 +419,5 @@ class Sampler(nn.Module):
             logits = apply_min_p(logits, meta.min_p)
         if meta.use_top_k or meta.use_top_p:
             logits = apply_top_k_top_p(logits, meta.top_k if meta.use_top_k else None, meta.top_p if meta.use_top_p else None)
-        probs = logits.softmax(dim=-1)
-        # Exponential race (equivalent to Gumbel-max): argmax p_i / E_i samples i with probability p_i.
-        exponential = -torch.log(random_uniform(meta.seeds, meta.steps, logits.shape[-1]))
-        sampled = (probs.to(torch.float64) / exponential).argmax(dim=-1)
+        sampled = inverse_cdf_sample(logits.softmax(dim=-1), random_uniform(meta.seeds, meta.steps))
         return torch.where(is_greedy, greedy, sampled)
