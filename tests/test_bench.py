@@ -230,6 +230,17 @@ def test_bench_throughput_cli(tiny_model_factory, tmp_path, capsys):
     assert result["args"]["num_prompts"] == 5 and "hf" not in result
 
 
+def test_bench_throughput_samples_with_the_given_settings(tiny_model_factory, tmp_path, capsys):
+    out_json = tmp_path / "tp.json"
+    rc, out, err = _run(capsys, "throughput", "--model", tiny_model_factory("llama_gqa"), "--num-prompts", "4", "--input-len", "8",
+                        "--output-len", "5", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--disable-tqdm",
+                        "--json", str(out_json))
+    assert rc == 0, err
+    result = json.loads(out_json.read_text())
+    assert result["tokenmill"]["total_output_tokens"] == 20
+    assert (result["args"]["temperature"], result["args"]["top_p"], result["args"]["top_k"]) == (0.8, 0.9, 20)
+
+
 def test_bench_throughput_prefix_reports_ttft_and_cache_hits(tiny_model_factory, tmp_path, capsys):
     model = tiny_model_factory("llama_gqa")
     results = {}
@@ -304,6 +315,8 @@ def test_baseline_hf(tiny_model_factory, tmp_path, capsys):
         (["throughput", "--min-input-len", "30", "--max-input-len", "10"], "range is empty"),
         (["latency", "--batch-size", "4", "--max-num-seqs", "2"], "more than --max-num-seqs"),
         (["throughput", "--json", "/no/such/dir/out.json"], "does not exist"),
+        (["throughput", "--top-p", "1.5"], "top_p"),
+        (["throughput", "--temperature", "0.8", "--baseline", "hf"], "--baseline hf decodes greedily"),
     ],
 )
 def test_bad_input_is_a_one_line_error(tiny_model_factory, capsys, argv, message):

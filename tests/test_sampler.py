@@ -130,6 +130,19 @@ def test_top_k_top_p_matches_reference_mixed_batch(trial):
             assert (~torch.isinf(out[i])).sum() <= min(ks[i], vocab)
 
 
+@pytest.mark.parametrize("candidates", [4, 12])
+def test_top_p_beyond_the_candidates_falls_back_to_the_full_sort(candidates):
+    """Rows whose nucleus lies past their `candidates` most likely tokens (flat rows, high p) are sorted
+    whole; the others are decided among the candidates: both as the reference, in one batch."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.cat([torch.randn(4, 50, generator=gen) * 6, torch.randn(4, 50, generator=gen) * 0.2])  # peaked, flat
+    ps = torch.tensor([0.5, 0.9, 0.99, 1.0, 0.5, 0.9, 0.3, 1.0])
+    ks = torch.tensor([0, 0, 20, 0, 0, 30, 0, 0])
+    out = apply_top_k_top_p(logits, ks, ps, candidates=candidates)
+    for i in range(8):
+        assert_same_filter(out[i], ref_top_k_top_p_row(logits[i], int(ks[i]), float(ps[i])), logits[i])
+
+
 def test_top_k_only_and_top_p_only():
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(6, 30, generator=gen)

@@ -91,6 +91,10 @@ def add_bench_parser(sub) -> None:
     add_engine_args(tp)
     _add_dataset_args(tp)
     tp.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the short warm-up request")
+    g = tp.add_argument_group("sampling (default: greedy)")
+    g.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (default: 0, greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default: 1, off)")
+    g.add_argument("--top-k", type=int, default=0, help="every request's top_k (default: 0, off)")
     _add_baseline_args(tp)
     _add_output_args(tp)
     tp.set_defaults(func=cmd_throughput)
@@ -236,6 +240,17 @@ def _check_baseline(args: argparse.Namespace) -> None:
         raise ValueError(f"--hf-batch-size must be >= 0, got {args.hf_batch_size}")
     if args.baseline == "hf" and not getattr(args, "ignore_eos", True):
         raise ValueError("--baseline hf compares fixed output lengths; drop --no-ignore-eos")
+    if args.baseline == "hf" and getattr(args, "temperature", 0.0) != 0.0:
+        raise ValueError("--baseline hf decodes greedily; drop --temperature")
+
+
+def _sampling_params(args: argparse.Namespace) -> dict:
+    """bench throughput's sampling options as SamplingParams keywords, checked by SamplingParams itself."""
+    from tokenmill.sampling_params import SamplingParams
+
+    values = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    SamplingParams(**values)  # a bad value is its one-line error before any model loads
+    return values
 
 
 def _load_engine(args: argparse.Namespace):
@@ -265,6 +280,7 @@ def cmd_throughput(args: argparse.Namespace) -> None:
     use_tqdm = not args.disable_tqdm
     check_output_path(args.json)
     _check_baseline(args)
+    sampling = _sampling_params(args)
     precheck_dataset_args(args)
     engine = _load_engine(args)
     exclude = _excluded_ids(engine.tokenizer, engine.eos_token_ids)
@@ -272,7 +288,7 @@ def cmd_throughput(args: argparse.Namespace) -> None:
     check_fits(requests, engine.max_model_len)
     if args.warmup:
         warm_up(engine, _warmup_prompt(engine.vocab_size, exclude, engine.max_model_len, args.seed))
-    ours = run_throughput(engine, requests, ignore_eos=args.ignore_eos, use_tqdm=use_tqdm)
+    ours = run_throughput(engine, requests, ignore_eos=args.ignore_eos, use_tqdm=use_tqdm, sampling=sampling)
     result = {
         "benchmark": "throughput",
         **_engine_info(engine),

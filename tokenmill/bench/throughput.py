@@ -27,8 +27,10 @@ def warm_up(engine, prompt: list[int], max_tokens: int = 4) -> None:
         engine.step()
 
 
-def run_throughput(engine, requests: list[SampleRequest], ignore_eos: bool = True, use_tqdm: bool = True) -> dict:
-    """Run every request to the end (greedy, max_tokens = its output length); throughput, TTFT, peak KV usage."""
+def run_throughput(engine, requests: list[SampleRequest], ignore_eos: bool = True, use_tqdm: bool = True,
+                   sampling: dict | None = None) -> dict:
+    """Run every request to the end (greedy unless `sampling` gives SamplingParams keywords such as a temperature;
+    max_tokens = its output length); throughput, TTFT, peak KV usage."""
     before = engine.stats()
     add_time: dict[str, float] = {}
     first_token: dict[str, float] = {}
@@ -39,7 +41,7 @@ def run_throughput(engine, requests: list[SampleRequest], ignore_eos: bool = Tru
     start = time.perf_counter()
     try:
         for r in requests:
-            params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=ignore_eos)
+            params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=r.output_len, ignore_eos=ignore_eos)
             t = time.perf_counter()
             add_time[engine.add_request({"prompt_token_ids": r.prompt_token_ids}, params)] = t
         generated = 0

@@ -299,25 +299,46 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
 # -- sampling filters ----------------------------------------------------------------------------------
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p nucleus to -inf (one sort for the whole batch).
+TOP_P_CANDIDATES = 1024  # top-p looks for each row's nucleus among its most likely tokens first
 
-    Rows with top_k == 0 and top_p == 1 come back unchanged.
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p nucleus to -inf. Rows with top_k == 0 and top_p == 1
+    come back unchanged.
+
+    top-k keeps the logits at least the k-th largest (ties with it too). top-p keeps, most likely first,
+    each token while the probability before it is below p. Neither sorts the vocabulary: top-k takes
+    `torch.topk` of the largest k asked for, and top-p works on each row's `candidates` most likely tokens,
+    which hold the nucleus unless the row is flatter than that (those rows alone fall back to a full
+    sort): a sort of [rows, vocab] each step cost more than the rest of sampling.
     """
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
     vocab = logits.shape[-1]
     if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        threshold = sorted_logits.gather(1, (vocab - k)[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
-    if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1.0 - top_p)[:, None]
-        # top_p == 1 is off: without this, tokens whose probability underflows to 0 would be cut.
-        drop &= (top_p < 1.0)[:, None]
-        drop[:, -1] = False  # always keep the most likely token
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        active = (top_k > 0) & (top_k < vocab)
+        if bool(active.any()):
+            k = torch.where(active, top_k, 1)
+            values = logits.topk(int(k.max()), dim=-1).values  # most likely first
+            kth = values.gather(1, (k - 1)[:, None])
+            logits = logits.masked_fill(active[:, None] & (logits < kth), float("-inf"))
+    if top_p is None or not bool((top_p < 1.0).any()):
+        return logits
+    probs = logits.softmax(dim=-1)
+    n = min(candidates, vocab)
+    top_probs, top_ids = probs.topk(n, dim=-1)
+    through = top_probs.cumsum(dim=-1)
+    # top_p == 1 is off: without this, tokens whose probability underflows to 0 would be cut.
+    on = (top_p < 1.0)[:, None]
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, top_ids, (through - top_probs < top_p[:, None]) | ~on)
+    # Rows whose candidates hold less than p: the nucleus reaches past them, so they take the full sort.
+    short = (through[:, -1] < top_p) & (top_p < 1.0) & (n < vocab)
+    if bool(short.any()):
+        flat = probs[short]
+        order = flat.argsort(dim=-1, descending=True)
+        ordered = flat.gather(1, order)
+        kept = ordered.cumsum(dim=-1) - ordered < top_p[short][:, None]
+        keep[short] = torch.zeros_like(flat, dtype=torch.bool).scatter_(1, order, kept)
+    return logits.masked_fill(~keep & on, float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
