@@ -1,8 +1,8 @@
 """Train an EAGLE draft head for a model on text the model generates itself (self-distillation, as
 EAGLE does), sharing train-medusa's generation (training/selfdistill.py).
 
-1. The engine generates a continuation for each prompt (and extra_samples sampled ones), keeping every computed position's final
-   hidden state f[t] (what the model's LM head reads).
+1. The engine generates a continuation for each prompt (and extra_samples sampled ones), keeping
+   every computed position's final hidden state f[t] (what the model's LM head reads).
 2. Row t of the head reads [embedding of x[t + 1], f[t]] and learns f[t + 1] (smooth L1, EAGLE's
    regression loss) and, through the target's frozen LM head, the token x[t + 2] (cross-entropy), with
    teacher forcing over whole sequences (causal attention among a sequence's rows; several sequences
@@ -10,8 +10,9 @@ EAGLE does), sharing train-medusa's generation (training/selfdistill.py).
    adds, so the head tolerates its own guessed states when it chains.
 3. The draft vocabulary (tokenmill's extension, models/eagle.py): the draft_vocab most frequent tokens
    of the generated text, the only ones the drafts may then take (their rows of the LM head only).
-4. AdamW with a linear warm-up, cosine decay and gradient clipping (EAGLE's 0.5); matmuls in bf16 autocast on CPUs with native bf16; a held-out tenth of the sequences gives the
-   top-1 accuracy of the first draft (an estimate of how often it will be kept).
+4. AdamW with a linear warm-up, cosine decay and gradient clipping (EAGLE's 0.5); matmuls in bf16
+   autocast on CPUs with native bf16; a held-out tenth of the sequences gives the top-1 accuracy of the
+   first draft (an estimate of how often it will be kept).
 
 EagleTrainingHead is the same head in plain PyTorch (transformers' Llama decoder layers, autograd),
 under EAGLE-1/2's checkpoint names: its state_dict is what the loader reads (loader/eagle.py).
