@@ -56,14 +56,16 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        # Submodules' forward is called directly on this hot path: nn.Module.__call__'s hook checks cost
+        # ~1.5 us a call, ~0.5 ms a token on SmolLM2's 30 layers at one row (nothing hooks these modules).
+        q, k, v = self.qkv_proj.forward(hidden).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos, sin)
-        out = self.attn(q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v, batch)
-        return self.o_proj(out)
+        out = self.attn.forward(q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v, batch)
+        return self.o_proj.forward(out)
 
 
 class LlamaMLP(nn.Module):
@@ -80,7 +82,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj.forward(self.act.forward(self.gate_up_proj.forward(x)))  # (forward: see LlamaAttention)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,11 +100,11 @@ class LlamaDecoderLayer(nn.Module):
         """(sublayer output, residual stream before it) -> the same after this layer. The residual add
         happens inside the next norm (one fused op on CPU), as in vLLM."""
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm.forward(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, residual = self.post_attention_layernorm(self.self_attn(hidden, cos, sin, batch), residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm.forward(hidden, residual)
+        hidden, residual = self.post_attention_layernorm.forward(self.self_attn.forward(hidden, cos, sin, batch), residual)
+        return self.mlp.forward(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -123,7 +125,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, batch)
+            hidden, residual = layer.forward(hidden, residual, cos, sin, batch)  # (forward: see LlamaAttention)
         return self.norm(hidden, residual)[0]
 
 
