@@ -19,7 +19,8 @@ from tokenmill.training.eagle import EagleTrainingHead, causal_mask, eagle_layer
 from tokenmill.worker.batch import build_batch_inputs
 from tokenmill.worker.model_runner import ModelRunner
 
-from test_spec_decode import assert_mixed_batch_matches_plain_decoding, assert_no_blocks_held, assert_same_outputs, tiny_llm, token_prompts
+from test_spec_decode import (assert_greedy_matches_plain_decoding, assert_mixed_batch_matches_plain_decoding,
+                              assert_no_blocks_held, assert_same_outputs, tiny_llm, token_prompts)
 
 
 def hf_config(folder: str):
@@ -126,13 +127,7 @@ def test_eagle_config_errors(tiny_model_factory, tmp_path):
 @pytest.mark.parametrize("model", ["llama_gqa", "llama_mqa_tied", "qwen2"])
 def test_greedy_with_eagle_equals_decoding_without(tiny_model_factory, tmp_path, model):
     folder = tiny_model_factory(model)
-    heads = head_folder(tmp_path, random_head(folder))
-    prompts = token_prompts(6, seed=1)
-    params = SamplingParams(max_tokens=24, temperature=0.0)
-    reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
-    llm = tiny_llm(folder, speculative_config=eagle_config(heads))
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert_same_outputs(reference, outputs)
+    llm = assert_greedy_matches_plain_decoding(folder, eagle_config(head_folder(tmp_path, random_head(folder))))
     assert llm.llm_engine.stats().spec_decode.num_draft_tokens > 0
     assert_no_blocks_held(llm)
 

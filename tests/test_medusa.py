@@ -19,7 +19,8 @@ from tokenmill.models.medusa import MedusaHeads
 from tokenmill.worker.medusa_proposer import MedusaProposer
 
 from conftest import smollm2_gguf_path
-from test_spec_decode import assert_mixed_batch_matches_plain_decoding, assert_no_blocks_held, assert_same_outputs, tiny_llm, token_prompts
+from test_spec_decode import (assert_greedy_matches_plain_decoding, assert_mixed_batch_matches_plain_decoding,
+                              assert_no_blocks_held, assert_same_outputs, tiny_llm, token_prompts)
 
 
 def random_heads(hidden: int, vocab: int, num_heads: int = 3, num_layers: int = 1, seed: int = 0, lm_head=None,
@@ -154,14 +155,8 @@ def test_greedy_with_medusa_equals_decoding_without(tiny_model_factory, tmp_path
     folder = tiny_model_factory(model)
     hidden, vocab = model_dims(folder)
     heads = heads_folder(tmp_path, random_heads(hidden, vocab, lm_head=target_lm_head(folder), shared=shared))
-    prompts = token_prompts(6, seed=1)
-    params = SamplingParams(max_tokens=24, temperature=0.0)
-    reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
-    llm = tiny_llm(folder, speculative_config=medusa_config(heads))
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert_same_outputs(reference, outputs)
-    stats = llm.llm_engine.stats().spec_decode
-    assert stats.num_draft_tokens > 0
+    llm = assert_greedy_matches_plain_decoding(folder, medusa_config(heads))
+    assert llm.llm_engine.stats().spec_decode.num_draft_tokens > 0
     assert_no_blocks_held(llm)
 
 
@@ -182,12 +177,8 @@ def test_medusa_under_tensor_parallelism(tiny_model_factory, tmp_path, shared):
     folder = tiny_model_factory("llama_gqa")
     hidden, vocab = model_dims(folder)
     heads = heads_folder(tmp_path, random_heads(hidden, vocab, lm_head=target_lm_head(folder), shared=shared))
-    prompts = token_prompts(4, seed=5)
-    params = SamplingParams(max_tokens=16, temperature=0.0)
-    reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
-    llm = tiny_llm(folder, speculative_config=medusa_config(heads), tensor_parallel_size=2)
+    llm = assert_greedy_matches_plain_decoding(folder, medusa_config(heads), num_prompts=4, seed=5, max_tokens=16, tensor_parallel_size=2)
     try:
-        assert_same_outputs(reference, llm.generate(prompts, params, use_tqdm=False))
         assert llm.llm_engine.stats().spec_decode.num_draft_tokens > 0
     finally:
         llm.llm_engine.shutdown()

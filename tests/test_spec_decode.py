@@ -182,6 +182,23 @@ def mixed_batch(num_prompts: int = 7, extra: list[SamplingParams] = ()) -> tuple
     return prompts, params
 
 
+def assert_greedy_matches_plain_decoding(folder: str, speculative_config: dict, num_prompts: int = 6, seed: int = 1,
+                                         max_tokens: int = 24, **llm_kwargs) -> LLM:
+    """Greedy decoding of token_prompts(num_prompts, seed) with speculation gives the tokens of decoding
+    without; the speculating engine comes back for the caller's own checks (and shutdown, with tensor
+    parallelism: on a failure here it is shut down before the error goes on)."""
+    prompts = token_prompts(num_prompts, seed=seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=speculative_config, **llm_kwargs)
+    try:
+        assert_same_outputs(reference, llm.generate(prompts, params, use_tqdm=False))
+    except BaseException:
+        llm.llm_engine.shutdown()
+        raise
+    return llm
+
+
 def assert_mixed_batch_matches_plain_decoding(folder: str, speculative_config: dict) -> LLM:
     """mixed_batch() under a small token budget (prompts chunked) and a KV cache too small for it
     (preemption): the outputs of decoding without speculation, drafts made, no block held after."""

@@ -18,7 +18,7 @@ from tokenmill.spec_decode.tree import TokenTree, tree_layout
 from tokenmill.spec_decode.verify import kept_tree_rows
 
 from test_medusa import heads_folder, model_dims, random_heads, target_lm_head
-from test_spec_decode import assert_no_blocks_held, assert_same_outputs, mixed_batch, tiny_llm, token_prompts
+from test_spec_decode import assert_greedy_matches_plain_decoding, assert_no_blocks_held, assert_same_outputs, mixed_batch, tiny_llm
 
 
 def test_tree_shapes():
@@ -99,12 +99,7 @@ def test_greedy_with_medusa_trees_equals_decoding_without(tiny_model_factory, tm
     folder = tiny_model_factory(model)
     hidden, vocab = model_dims(folder)
     heads = heads_folder(tmp_path, random_heads(hidden, vocab, num_heads=4, lm_head=target_lm_head(folder), shared=shared))
-    prompts = token_prompts(6, seed=1)
-    params = SamplingParams(max_tokens=24, temperature=0.0)
-    reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
-    llm = tiny_llm(folder, speculative_config=tree_config(heads, **tree))
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert_same_outputs(reference, outputs)
+    llm = assert_greedy_matches_plain_decoding(folder, tree_config(heads, **tree))
     stats = llm.llm_engine.stats().spec_decode
     assert stats.num_draft_tokens > 0
     if model != "gpt2":  # (random heads on the tiny GPT-2 guess nothing right: only its outputs are checked)
@@ -112,49 +107,47 @@ def test_greedy_with_medusa_trees_equals_decoding_without(tiny_model_factory, tm
     assert_no_blocks_held(llm)
 
 
+def assert_tree_mixed_batch_matches_plain_decoding(folder: str, speculative_config: dict):
+    """Greedy and seeded sampling (n > 1, logprobs), one request that cannot speculate (max_tokens 1), a
+    small token budget (prompt chunks, trees cut short) and a KV cache too small for the batch
+    (preemption): the outputs of decoding without speculation, drafts made, nothing held after.
+    Returns (the outputs without speculation, the speculating engine, its outputs)."""
+    prompts, params = mixed_batch(8, extra=[SamplingParams(max_tokens=1, temperature=0.0)])
+    tight = dict(num_kv_blocks=18, block_size=4, max_num_batched_tokens=24)
+    reference = tiny_llm(folder, **tight).generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=speculative_config, **tight)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_same_outputs(reference, outputs)
+    stats = llm.llm_engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_decode.num_draft_tokens > 0
+    assert_no_blocks_held(llm)
+    return reference, llm, outputs
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_medusa_trees_with_sampling_chunks_preemption_and_prefix_caching(tiny_model_factory, tmp_path, shared):
-    """Greedy and seeded sampling (n > 1, logprobs), a structured-output-free mix where some requests cannot
-    speculate (max_tokens 1), a small token budget (prompt chunks, trees cut short) and a KV cache too
-    small for the batch (preemption): the outputs of decoding without speculation."""
     folder = tiny_model_factory("llama_gqa")
     hidden, vocab = model_dims(folder)
     heads = heads_folder(tmp_path, random_heads(hidden, vocab, num_heads=4, lm_head=target_lm_head(folder), shared=shared))
-    prompts, params = mixed_batch(8, extra=[SamplingParams(max_tokens=1, temperature=0.0)])  # (one never speculates)
-    tight = dict(num_kv_blocks=18, block_size=4, max_num_batched_tokens=24)
-    reference = tiny_llm(folder, **tight).generate(prompts, params, use_tqdm=False)
-    llm = tiny_llm(folder, speculative_config=tree_config(heads, tree_width=3, num_speculative_tokens=3), **tight)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert_same_outputs(reference, outputs)
+    reference, llm, outputs = assert_tree_mixed_batch_matches_plain_decoding(
+        folder, tree_config(heads, tree_width=3, num_speculative_tokens=3))
     for ref, out in zip(reference, outputs):  # each kept token's logprobs are its own row's
         if ref.outputs[0].logprobs is not None:
             for want, got in zip(ref.outputs[0].logprobs, out.outputs[0].logprobs, strict=True):
                 assert list(got) == list(want)
                 assert [g.logprob for g in got.values()] == pytest.approx([w.logprob for w in want.values()], abs=1e-4)
-    stats = llm.llm_engine.stats()
-    assert stats.num_preemptions > 0
-    assert stats.spec_decode.num_draft_tokens > 0 and stats.spec_decode.num_accepted_tokens > 0
-    assert len(stats.spec_decode.accepted_per_pos) == 3  # per depth, not per node
-    assert_no_blocks_held(llm)
+    stats = llm.llm_engine.stats().spec_decode
+    assert stats.num_accepted_tokens > 0
+    assert len(stats.accepted_per_pos) == 3  # per depth, not per node
 
 
 @pytest.mark.parametrize("tree", [{"tree_width": 3, "num_speculative_tokens": 3}, {"tree": [[0], [1], [0, 0], [0, 1], [0, 2], [0, 0, 0]]}])
 def test_eagle_trees_with_sampling_chunks_preemption_and_prefix_caching(tiny_model_factory, tmp_path, tree):
-    """An EAGLE head drafting trees (the top-1 chain and candidates beside it) in the mixed batch of the
-    Medusa test above: the outputs of decoding without speculation, nothing held after."""
-    from test_eagle import head_folder, random_head
+    """An EAGLE head drafting trees (the top-1 chain and candidates beside it) in the Medusa test's mixed batch."""
+    from test_eagle import eagle_config, head_folder, random_head
 
     folder = tiny_model_factory("llama_gqa")
-    head = head_folder(tmp_path, random_head(folder))
-    prompts, params = mixed_batch(8, extra=[SamplingParams(max_tokens=1, temperature=0.0)])
-    tight = dict(num_kv_blocks=18, block_size=4, max_num_batched_tokens=24)
-    reference = tiny_llm(folder, **tight).generate(prompts, params, use_tqdm=False)
-    config = {"method": "eagle", "model": head, "disable_by_batch_size": None, **tree}
-    llm = tiny_llm(folder, speculative_config=config, **tight)
-    assert_same_outputs(reference, llm.generate(prompts, params, use_tqdm=False))
-    stats = llm.llm_engine.stats()
-    assert stats.num_preemptions > 0 and stats.spec_decode.num_draft_tokens > 0
-    assert_no_blocks_held(llm)
+    assert_tree_mixed_batch_matches_plain_decoding(folder, {**eagle_config(head_folder(tmp_path, random_head(folder))), **tree})
 
 
 @pytest.mark.slow
@@ -163,12 +156,9 @@ def test_medusa_trees_under_tensor_parallelism(tiny_model_factory, tmp_path):
     folder = tiny_model_factory("llama_gqa")
     hidden, vocab = model_dims(folder)
     heads = heads_folder(tmp_path, random_heads(hidden, vocab, lm_head=target_lm_head(folder), shared=True))
-    prompts = token_prompts(4, seed=5)
-    params = SamplingParams(max_tokens=16, temperature=0.0)
-    reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
-    llm = tiny_llm(folder, speculative_config=tree_config(heads, tree_width=3, num_speculative_tokens=3), tensor_parallel_size=2)
+    llm = assert_greedy_matches_plain_decoding(folder, tree_config(heads, tree_width=3, num_speculative_tokens=3), num_prompts=4,
+                                               seed=5, max_tokens=16, tensor_parallel_size=2)
     try:
-        assert_same_outputs(reference, llm.generate(prompts, params, use_tqdm=False))
         assert llm.llm_engine.stats().spec_decode.num_accepted_tokens > 0
     finally:
         llm.llm_engine.shutdown()
