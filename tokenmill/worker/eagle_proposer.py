@@ -146,23 +146,20 @@ class EagleProposer(RunnerBackedProposer):
         needed = [int(self._node_pass[: len(c.spec_token_ids)].max()) + 1 if c.spec_parents else len(c.spec_token_ids)
                   for c in targets]
         candidates: list[list[np.ndarray]] = [[] for _ in targets]  # per request, per pass: [width] token ids
-        rows = list(range(len(targets)))
+        first_row = [p.start_pos + len(p.token_ids) for p in passes]  # where each request's speculative rows begin
+        rows = list(range(len(targets)))  # the requests (indices into targets) in this pass
         features = torch.cat(states)
         for i in range(max(needed)):
-            if i:
-                rows = [j for j in rows if needed[j] > i]
-                keep = [rows_before.index(j) for j in rows]
-                features = guesses[keep]
-                passes = [replace(targets[j], token_ids=[int(candidates[j][-1][0])], start_pos=passes_end[j] + i - 1,
-                                  spec_token_ids=[], spec_parents=[], sample=True) for j in rows]
-            else:
-                passes_end = {j: p.start_pos + len(p.token_ids) for j, p in zip(rows, passes)}
             batch = build_batch_inputs(passes, self.runner.block_size, self.runner.device, self.runner.cascade_attention)
             out = self.draft(self.embed(batch.input_ids), features, batch.positions, batch)
             guesses = out[batch.logits_indices]  # each pass's last row: the guessed state after it
             for j, row in zip(rows, self._top(guesses)):
                 candidates[j].append(row)
-            rows_before = rows
+            # The next pass: one row per request that needs more, reading its newest top-1 draft and guessed state.
+            keep = [n for n, j in enumerate(rows) if needed[j] > i + 1]
+            rows, features = [rows[n] for n in keep], guesses[keep]
+            passes = [replace(targets[j], token_ids=[int(candidates[j][-1][0])], start_pos=first_row[j] + i,
+                              spec_token_ids=[], spec_parents=[], sample=True) for j in rows]
         for chunk, found in zip(targets, candidates):
             per_pass = np.stack(found)  # [passes, width]
             k = len(chunk.spec_token_ids)
