@@ -530,16 +530,29 @@ def _tokenmill_serve_flags(ctx: Ctx) -> tuple[list[str], str | None]:
     return [], None  # bench serve asks GET /v1/models for the name
 
 
+def tokenmill_serve_cmd(ctx: Ctx, model, name_flags: list[str], *options: str) -> list:
+    return [ctx.python, "-m", "tokenmill.entrypoints.cli", "serve", "--model", model, "--dtype", ctx.args.dtype,
+            "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(ctx.args.port), *name_flags, *options]
+
+
+def llamacpp_serve_cmd(ctx: Ctx, gguf: Path, slots: int, context: int, *options: str) -> list:
+    return [ctx.llama_server(), "-m", gguf, "--host", "127.0.0.1", "--port", str(ctx.args.port), "--alias", SERVED_NAME,
+            "-t", str(ctx.ncpu), "-tb", str(ctx.ncpu), "-np", str(slots), "-c", str(context), *options]
+
+
+def vllm_serve_cmd(ctx: Ctx, model, *options: str) -> list:
+    return [ctx.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", ctx.args.dtype,
+            "--max-model-len", str(MAX_MODEL_LEN), "--port", str(ctx.args.port), "--host", "127.0.0.1",
+            "--served-model-name", SERVED_NAME, "--seed", "0", *options]
+
+
 def step_tokenmill_serve(ctx: Ctx) -> None:
     name_flags, name = _tokenmill_serve_flags(ctx)
     for model in ctx.args.models:
         for cache, workloads in _split_cache(ctx.args.workloads):
             if not workloads:
                 continue
-            cmd = [ctx.python, "-m", "tokenmill.entrypoints.cli", "serve", "--model", ctx.model_dir(model), "--dtype", ctx.args.dtype,
-                   "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(ctx.args.port), *name_flags]
-            if not cache:
-                cmd.append("--no-prefix-caching")
+            cmd = tokenmill_serve_cmd(ctx, ctx.model_dir(model), name_flags, *([] if cache else ["--no-prefix-caching"]))
             serve_and_bench(ctx, "tokenmill-serve", model, workloads, cmd, None, ready_timeout=300, served_name=name)
 
 
@@ -553,9 +566,7 @@ def step_llamacpp(ctx: Ctx) -> None:
             n = int(WORKLOADS[w][WORKLOADS[w].index("--num-prompts") + 1])
             slots = min(n, 64)
             per_slot = 1024 if w == "B" else (1024 + 32 + 32 if w.startswith("C") else 256)
-            cmd = [ctx.llama_server(), "-m", ctx.gguf(model), "--host", "127.0.0.1", "--port", str(ctx.args.port),
-                   "--alias", SERVED_NAME, "-t", str(ctx.ncpu), "-tb", str(ctx.ncpu), "-np", str(slots),
-                   "-c", str(slots * per_slot), "--cont-batching"]
+            cmd = llamacpp_serve_cmd(ctx, ctx.gguf(model), slots, slots * per_slot, "--cont-batching")
             extra = {"cache_prompt": False} if w == "C-nocache" else None
             serve_and_bench(ctx, "llamacpp", model, [w], cmd, None, ready_timeout=300, extra_body=extra)
 
@@ -567,10 +578,7 @@ def step_vllm_serve(ctx: Ctx) -> None:
         for cache, workloads in _split_cache(ctx.args.workloads):
             if not workloads:
                 continue
-            cmd = [ctx.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", ctx.model_dir(model),
-                   "--dtype", ctx.args.dtype, "--max-model-len", str(MAX_MODEL_LEN), "--port", str(ctx.args.port),
-                   "--host", "127.0.0.1", "--served-model-name", SERVED_NAME, "--seed", "0"]
-            cmd.append("--enable-prefix-caching" if cache else "--no-enable-prefix-caching")
+            cmd = vllm_serve_cmd(ctx, ctx.model_dir(model), "--enable-prefix-caching" if cache else "--no-enable-prefix-caching")
             serve_and_bench(ctx, "vllm-serve", model, workloads, cmd, vllm_env(ctx), ready_timeout=900)
 
 
@@ -621,14 +629,10 @@ def step_quant(ctx: Ctx) -> None:
         tag = _quant_tag(label)
         run([ctx.python, "-m", "tokenmill.entrypoints.cli", "bench", "perplexity", "--model", model, "--dtype", ctx.args.dtype,
              *options, "--json", ctx.result("tokenmill-ppl", QUANT_MODEL, tag)], ctx.logs / "quant.log")
-        cmd = [ctx.python, "-m", "tokenmill.entrypoints.cli", "serve", "--model", model, "--dtype", ctx.args.dtype, *options,
-               "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(ctx.args.port), *name_flags]
-        serve_and_bench(ctx, f"tokenmill-serve-{tag}", QUANT_MODEL, ["single"], cmd, None, ready_timeout=300,
-                        served_name=name)
+        serve_and_bench(ctx, f"tokenmill-serve-{tag}", QUANT_MODEL, ["single"], tokenmill_serve_cmd(ctx, model, name_flags, *options),
+                        None, ready_timeout=300, served_name=name)
     for qtype in ["none", "Q8_0", "Q4_0", "Q4_1"]:
-        gguf = quant_gguf(ctx, None if qtype == "none" else qtype)
-        cmd = [ctx.llama_server(), "-m", gguf, "--host", "127.0.0.1", "--port", str(ctx.args.port), "--alias", SERVED_NAME,
-               "-t", str(ctx.ncpu), "-tb", str(ctx.ncpu), "-np", "1", "-c", str(MAX_MODEL_LEN)]
+        cmd = llamacpp_serve_cmd(ctx, quant_gguf(ctx, None if qtype == "none" else qtype), 1, MAX_MODEL_LEN)
         serve_and_bench(ctx, f"llamacpp-{qtype}", QUANT_MODEL, ["single"], cmd, None, ready_timeout=300)
 
 
@@ -694,16 +698,12 @@ def step_spec(ctx: Ctx) -> None:
         try:
             if engine == "tokenmill-serve":
                 spec = {"ngram": NGRAM, "draft": SELF_DRAFT}.get(proposer)
-                cmd = [ctx.python, "-m", "tokenmill.entrypoints.cli", "serve", "--model", model_dir, "--dtype", ctx.args.dtype,
-                       "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(ctx.args.port), *name_flags]
-                if spec:
-                    cmd += ["--speculative-config", json.dumps(spec)]
+                cmd = tokenmill_serve_cmd(ctx, model_dir, name_flags, *(["--speculative-config", json.dumps(spec)] if spec else []))
                 serve_and_bench(ctx, tag, QUANT_MODEL, bench, cmd, None, ready_timeout=300, served_name=name)
             elif engine == "llamacpp":
                 if not ctx.llama_server().exists():
                     raise RuntimeError(f"{ctx.llama_server()} is missing: run the llamacpp-build step first")
-                cmd = [ctx.llama_server(), "-m", quant_gguf(ctx, None), "--host", "127.0.0.1", "--port", str(ctx.args.port),
-                       "--alias", SERVED_NAME, "-t", str(ctx.ncpu), "-tb", str(ctx.ncpu), "-np", "1", "-c", str(MAX_MODEL_LEN)]
+                cmd = llamacpp_serve_cmd(ctx, quant_gguf(ctx, None), 1, MAX_MODEL_LEN)
                 if proposer == "ngram":
                     cmd += ["--spec-type", "ngram-simple"]
                 elif proposer == "draft":
@@ -712,9 +712,7 @@ def step_spec(ctx: Ctx) -> None:
             else:
                 if not ctx.vllm_python.exists():
                     raise RuntimeError(f"{ctx.vllm_python} is missing: run the vllm-install step first")
-                cmd = [ctx.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                       "--dtype", ctx.args.dtype, "--max-model-len", str(MAX_MODEL_LEN), "--port", str(ctx.args.port),
-                       "--host", "127.0.0.1", "--served-model-name", SERVED_NAME, "--seed", "0"]
+                cmd = vllm_serve_cmd(ctx, model_dir)
                 if proposer == "ngram":
                     cmd += ["--speculative-config", json.dumps({**NGRAM, "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
                 serve_and_bench(ctx, tag, QUANT_MODEL, bench, cmd, vllm_env(ctx), ready_timeout=900)
