@@ -64,7 +64,7 @@ def quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel: Callabl
 def _decode_rows(x: torch.Tensor) -> bool:
     """A decode step's few contiguous rows on the kernels: the op is called straight away (the general path's
     reshape, closures and view cost a few microseconds, at 121 calls a token on SmolLM2)."""
-    return x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS and x.is_contiguous() and cpu_kernels.use_cpu_kernels(x)
+    return x.dim() == 2 and x.is_contiguous() and _use_kernels(x)
 
 
 def int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
