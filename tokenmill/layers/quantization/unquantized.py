@@ -33,9 +33,9 @@ class PackedCPUWeight:
         self._matmul = torch.ops.mkldnn._linear_pointwise.default  # the overload itself: no lookup per call
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= 8 and x.is_contiguous():
-            # A decode step's few rows: no reshape, no padding, no slice (each a dispatch of ~1 us, at 121
-            # calls a token on SmolLM2).
+        if x.dim() == 2 and x.is_contiguous() and bucketed_rows(x.shape[0]) == x.shape[0]:
+            # Rows that need no padding (every decode step's few): no reshape, pad or slice (each a dispatch
+            # of ~1 us, at 121 calls a token on SmolLM2).
             return self._matmul(x, self.packed, bias, "none", [], "")
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
