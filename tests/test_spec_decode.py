@@ -199,11 +199,13 @@ def assert_greedy_matches_plain_decoding(folder: str, speculative_config: dict, 
     return llm
 
 
-def assert_mixed_batch_matches_plain_decoding(folder: str, speculative_config: dict) -> LLM:
-    """mixed_batch() under a small token budget (prompts chunked) and a KV cache too small for it
-    (preemption): the outputs of decoding without speculation, drafts made, no block held after."""
-    prompts, params = mixed_batch()
-    tight = dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=24)
+def assert_mixed_batch_matches_plain_decoding(folder: str, speculative_config: dict, num_prompts: int = 7,
+                                              extra: list[SamplingParams] = (), num_kv_blocks: int = 14) -> tuple[list, LLM, list]:
+    """mixed_batch(num_prompts, extra) under a small token budget (prompts chunked) and a KV cache too small
+    for it (preemption): the outputs of decoding without speculation, drafts made, no block held after.
+    Returns (the outputs without speculation, the speculating engine, its outputs)."""
+    prompts, params = mixed_batch(num_prompts, extra)
+    tight = dict(num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=24)
     reference = tiny_llm(folder, **tight).generate(prompts, params, use_tqdm=False)
     llm = tiny_llm(folder, speculative_config=speculative_config, **tight)
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -211,7 +213,7 @@ def assert_mixed_batch_matches_plain_decoding(folder: str, speculative_config: d
     assert llm.llm_engine.stats().num_preemptions > 0
     assert llm.llm_engine.stats().spec_decode.num_draft_tokens > 0
     assert_no_blocks_held(llm)
-    return llm
+    return reference, llm, outputs
 
 
 def test_sampling_with_drafts_is_token_for_token_the_same_stream(tiny_model_factory):

@@ -18,7 +18,7 @@ from tokenmill.spec_decode.tree import TokenTree, tree_layout
 from tokenmill.spec_decode.verify import kept_tree_rows
 
 from test_medusa import heads_folder, model_dims, random_heads, target_lm_head
-from test_spec_decode import assert_greedy_matches_plain_decoding, assert_no_blocks_held, assert_same_outputs, mixed_batch, tiny_llm
+from test_spec_decode import assert_greedy_matches_plain_decoding, assert_mixed_batch_matches_plain_decoding, assert_no_blocks_held
 
 
 def test_tree_shapes():
@@ -108,20 +108,10 @@ def test_greedy_with_medusa_trees_equals_decoding_without(tiny_model_factory, tm
 
 
 def assert_tree_mixed_batch_matches_plain_decoding(folder: str, speculative_config: dict):
-    """Greedy and seeded sampling (n > 1, logprobs), one request that cannot speculate (max_tokens 1), a
-    small token budget (prompt chunks, trees cut short) and a KV cache too small for the batch
-    (preemption): the outputs of decoding without speculation, drafts made, nothing held after.
-    Returns (the outputs without speculation, the speculating engine, its outputs)."""
-    prompts, params = mixed_batch(8, extra=[SamplingParams(max_tokens=1, temperature=0.0)])
-    tight = dict(num_kv_blocks=18, block_size=4, max_num_batched_tokens=24)
-    reference = tiny_llm(folder, **tight).generate(prompts, params, use_tqdm=False)
-    llm = tiny_llm(folder, speculative_config=speculative_config, **tight)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert_same_outputs(reference, outputs)
-    stats = llm.llm_engine.stats()
-    assert stats.num_preemptions > 0 and stats.spec_decode.num_draft_tokens > 0
-    assert_no_blocks_held(llm)
-    return reference, llm, outputs
+    """The shared mixed-batch check (prompt chunks, trees cut short, preemption) with one more request that
+    cannot speculate (max_tokens 1), and room for a tree's slots."""
+    return assert_mixed_batch_matches_plain_decoding(folder, speculative_config, num_prompts=8,
+                                                     extra=[SamplingParams(max_tokens=1, temperature=0.0)], num_kv_blocks=18)
 
 
 @pytest.mark.parametrize("shared", [False, True])
