@@ -215,6 +215,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                                 table[:2].contiguous(), None, 0.125)
     res[f"prefill_attention.{name}"] = outp
     xq = torch.randn(5, 576).to(dtype)
+    res[f"dense_linear.{name}"] = cpu.dense_linear(xq, torch.randn(43, 576).to(dtype), None)
     res[f"int8_linear.{name}"] = cpu.int8_linear(xq, *quant["int8"], None)
     res[f"int4_linear.{name}"] = cpu.int4_linear(xq, *quant["int4"], 128, None)
     res[f"w8a8_linear.{name}"] = cpu.w8a8_linear(torch.randn(7, 576).to(dtype), *cpu.w8a8_pack(quant["int8"][0]), quant["int8"][1], None)
@@ -254,7 +255,7 @@ def test_levels_agree(build, tmp_path):
                 assert torch.equal(got[key], want), where
             elif op == "lse":
                 torch.testing.assert_close(got[key], want, atol=1e-5, rtol=1e-5, msg=where)
-            elif (op in ("int8_linear", "int4_linear") or op.startswith("gguf_linear")) and dtype == "float32":  # sums of 576 products, as in test_quant_kernels
+            elif (op in ("dense_linear", "int8_linear", "int4_linear") or op.startswith("gguf_linear")) and dtype == "float32":  # sums of 576 products, as in test_quant_kernels
                 torch.testing.assert_close(got[key], want, atol=1e-4, rtol=1e-4, msg=where)
             elif dtype == "float32":
                 torch.testing.assert_close(got[key], want, atol=1e-5, rtol=1e-5, msg=where)

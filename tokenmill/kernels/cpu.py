@@ -43,7 +43,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent / "cpu"
-_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "sampling.cpp", "pointwise.cpp", "quant_linear.cpp", "int8_gemm.cpp", "gguf_linear.cpp")]
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "sampling.cpp", "pointwise.cpp", "quant_linear.cpp", "int8_gemm.cpp", "gguf_linear.cpp", "decode_linear.cpp")]
 _HEADERS = [_DIR / name for name in ("vec.h", "quant_rows.h")]
 # -ffp-contract=off: no fused multiply-adds the source does not write, so the pointwise ops round as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
@@ -418,6 +418,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotary embedding (neox halves) applied in place to q [T, H, D] and k [T, Hkv, D]; cos/sin [T, D]."""
     torch.ops.tokenmill_cpu.rotary(q, k, cos, sin)
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T + bias for a decode step's few rows, w in x's dtype (see decode_linear.cpp)."""
+    return torch.ops.tokenmill_cpu.dense_linear(x, w, bias)
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
 
 
@@ -20,22 +21,44 @@ def cpu_packed_weights_supported(device: torch.device, dtype: torch.dtype) -> bo
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+# Rows up to which a decode step's matmul runs in the CPU kernels' dense_linear rather than oneDNN
+# (`python benchmarks/decode_linear.py` measures the crossing).
+DECODE_MAX_ROWS = 4
+# Half-precision weights up to this size keep their plain rows for dense_linear beside oneDNN's
+# packed copy. Below it, oneDNN's ~9 us a call beyond the reads is a large part of a decode step's
+# matmul (a 4 MB bf16 weight reads in ~60 us); above it, a few percent, and a second copy of a large
+# model's weights is not worth it. float32 weights stay with oneDNN: twice the bytes per call make
+# its cost a smaller part, and dense_linear measured within noise of it from 2 rows on.
+DECODE_COPY_MAX_BYTES = 16 << 20
+
+
 class PackedCPUWeight:
     """A weight (bf16 or float32) reordered once into oneDNN's blocked layout, as inductor's freezing pass does.
 
     F.linear reorders the weight on every call; at decode batch sizes that costs as much as the
-    matmul itself (measured: 2-4x faster at one row, 10-40% at 32-64 rows).
+    matmul itself (measured: 2-4x faster at one row, 10-40% at 32-64 rows). A decode step's few rows
+    run the CPU kernels' dense_linear on the plain rows instead, where they are kept: `decode_rows`
+    (a weight that is kept anyway, such as a tied embedding), or a bf16/fp16 weight of at most
+    DECODE_COPY_MAX_BYTES, kept beside its packed copy.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, decode_rows: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self._matmul = torch.ops.mkldnn._linear_pointwise.default  # the overload itself: no lookup per call
+        if decode_rows is None and weight.numel() * weight.element_size() <= DECODE_COPY_MAX_BYTES:
+            decode_rows = weight
+        self.decode_rows = None
+        if decode_rows is not None and weight.element_size() == 2 and cpu_kernels.cpu_kernels_available():
+            self.decode_rows = decode_rows.contiguous()
+            self._dense = torch.ops.tokenmill_cpu.dense_linear.default
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() == 2 and x.is_contiguous() and bucketed_rows(x.shape[0]) == x.shape[0]:
             # Rows that need no padding (every decode step's few): no reshape, pad or slice (each a dispatch
             # of ~1 us, at 121 calls a token on SmolLM2).
+            if self.decode_rows is not None and x.shape[0] <= DECODE_MAX_ROWS and x.dtype == self.decode_rows.dtype:
+                return self._dense(x, self.decode_rows, bias)
             return self._matmul(x, self.packed, bias, "none", [], "")
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
@@ -98,7 +121,7 @@ class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.prepack:
-            layer.packed_weight = PackedCPUWeight(layer.weight.data)
+            layer.packed_weight = PackedCPUWeight(layer.weight.data, decode_rows=layer.weight.data)
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, layer.weight)
