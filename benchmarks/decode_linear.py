@@ -1,10 +1,10 @@
 """A decode step's matmuls in the CPU kernels' dense_linear against oneDNN's prepacked matmul, whole model.
 
-    python benchmarks/decode_linear.py [--dtype bfloat16] [--batches 1,2,4,8] [--rounds 9] [--tokens 64]
+    python benchmarks/decode_linear.py [--model PATH] [--dtype bfloat16] [--batches 1,2,4,8] [--rounds 9] [--tokens 64]
 
-Loads the default model (SmolLM2-135M) once and times greedy generation of --tokens tokens for
+Loads the model (by default the embedded SmolLM2-135M) once and times greedy generation of --tokens tokens for
 --batches requests at a time (32-token prompts), the decode rows taking dense_linear (where
-PackedCPUWeight keeps plain rows: tokenmill/layers/quantization/unquantized.py) or oneDNN, the two
+PackedCPUWeight keeps its copy: tokenmill/layers/quantization/unquantized.py) or oneDNN, the two
 alternating round by round in one process, since these machines are shared and noisy. Prints the
 median milliseconds per step of each and checks both give the same tokens. Rows above
 DECODE_MAX_ROWS take oneDNN either way, so a batch above it shows the noise floor.
@@ -25,6 +25,7 @@ from tokenmill.layers.quantization.unquantized import PackedCPUWeight
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a model folder or GGUF (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batches", default="1,2,4,8")
     parser.add_argument("--rounds", type=int, default=9)
@@ -34,18 +35,18 @@ def main() -> None:
                            capture_output=True, text=True).stdout.strip()
     print(f"CPU flags: {flags}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
 
-    llm = LLM(dtype=args.dtype, max_num_seqs=max(int(b) for b in args.batches.split(",")))
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(int(b) for b in args.batches.split(",")))
     model = llm.llm_engine.executor.worker.runner.model
     packed = [w for m in model.modules() if isinstance(w := getattr(m, "packed_weight", None), PackedCPUWeight)]
-    plain_rows = [w.decode_rows for w in packed]
+    copies = [w.decode_packed for w in packed]
     print(f"dtype {next(model.parameters()).dtype}: {len(packed)} prepacked weights, "
-          f"{sum(r is not None for r in plain_rows)} with plain rows for dense_linear", flush=True)
-    if not any(r is not None for r in plain_rows):
-        raise SystemExit("no weight keeps plain rows here (float32, no native bf16, or no CPU kernels): nothing to compare")
+          f"{sum(c is not None for c in copies)} with a copy for dense_linear", flush=True)
+    if not any(c is not None for c in copies):
+        raise SystemExit("no weight keeps a copy for dense_linear here (no CPU kernels, or no weight small enough): nothing to compare")
 
     def use(dense: bool) -> None:
-        for weight, rows in zip(packed, plain_rows):
-            weight.decode_rows = rows if dense else None
+        for weight, copy in zip(packed, copies):
+            weight.decode_packed = copy if dense else None
 
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     for batch in (int(b) for b in args.batches.split(",")):

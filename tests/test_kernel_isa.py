@@ -215,7 +215,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                                 table[:2].contiguous(), None, 0.125)
     res[f"prefill_attention.{name}"] = outp
     xq = torch.randn(5, 576).to(dtype)
-    res[f"dense_linear.{name}"] = cpu.dense_linear(xq, torch.randn(43, 576).to(dtype), None)
+    res[f"dense_linear.{name}"] = cpu.dense_linear(xq, cpu.dense_pack(torch.randn(43, 576).to(dtype)), 43, None)
     res[f"int8_linear.{name}"] = cpu.int8_linear(xq, *quant["int8"], None)
     res[f"int4_linear.{name}"] = cpu.int4_linear(xq, *quant["int4"], 128, None)
     res[f"w8a8_linear.{name}"] = cpu.w8a8_linear(torch.randn(7, 576).to(dtype), *cpu.w8a8_pack(quant["int8"][0]), quant["int8"][1], None)

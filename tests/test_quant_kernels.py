@@ -30,14 +30,15 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("shape", [(96, 64), (43, 200), (3, 40), (576, 1536)], ids=str)  # 43 x 200: tails of tiles and vectors
+@pytest.mark.parametrize("shape", [(96, 64), (43, 201), (3, 40), (576, 1536)], ids=str)  # 43 x 201: part tiles, an odd K
 def test_dense_linear_matches_float_reference(shape, rows, dtype):
-    """decode_linear.cpp's full-precision rows (a decode step's matmul) against F.linear in float32."""
+    """decode_linear.cpp's packed full-precision weights (a decode step's matmul) against F.linear in float32."""
     n, k = shape
     gen = torch.Generator().manual_seed(n + k + rows)
     w, x, bias = torch.randn(n, k, generator=gen).to(dtype), torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
-    _close(cpu.dense_linear(x, w, bias), torch.nn.functional.linear(x.float(), w.float(), bias.float()).to(dtype))
-    _close(cpu.dense_linear(x, w, None), torch.nn.functional.linear(x.float(), w.float()).to(dtype))
+    packed = cpu.dense_pack(w)
+    _close(cpu.dense_linear(x, packed, n, bias), torch.nn.functional.linear(x.float(), w.float(), bias.float()).to(dtype))
+    _close(cpu.dense_linear(x, packed, n, None), torch.nn.functional.linear(x.float(), w.float()).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -115,10 +116,10 @@ def test_int8_error_is_at_most_half_a_step():
 
 
 def test_bad_shapes_are_errors():
-    with pytest.raises(RuntimeError, match="dense_linear: w must be a contiguous"):
-        cpu.dense_linear(torch.randn(2, 64), torch.randn(8, 64).bfloat16(), None)
-    with pytest.raises(RuntimeError, match="features"):
-        cpu.dense_linear(torch.randn(2, 32), torch.randn(8, 64), None)
+    packed = cpu.dense_pack(torch.randn(8, 64))
+    for x, n in ((torch.randn(2, 64).bfloat16(), 8), (torch.randn(2, 32), 8), (torch.randn(2, 64), 40)):  # dtype, K, N
+        with pytest.raises(RuntimeError, match="dense_linear: the weight must be dense_pack's layout"):
+            cpu.dense_linear(x, packed, n, None)
     q, scale = Q.quantize_int8(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="features"):
         cpu.int8_linear(torch.randn(2, 32), q, scale, None)

@@ -420,9 +420,14 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     torch.ops.tokenmill_cpu.rotary(q, k, cos, sin)
 
 
-def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T + bias for a decode step's few rows, w in x's dtype (see decode_linear.cpp)."""
-    return torch.ops.tokenmill_cpu.dense_linear(x, w, bias)
+def dense_pack(w: torch.Tensor) -> torch.Tensor:
+    """A float weight [N, K] in dense_linear's layout (tiles of output rows side by side; see decode_linear.cpp)."""
+    return torch.ops.tokenmill_cpu.dense_pack(w)
+
+
+def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T + bias for a decode step's few rows, W [out_features, K] packed by dense_pack in x's dtype."""
+    return torch.ops.tokenmill_cpu.dense_linear(x, packed, out_features, bias)
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

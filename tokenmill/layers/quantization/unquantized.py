@@ -22,14 +22,14 @@ def cpu_packed_weights_supported(device: torch.device, dtype: torch.dtype) -> bo
 
 
 # Rows up to which a decode step's matmul runs in the CPU kernels' dense_linear rather than oneDNN
-# (`python benchmarks/decode_linear.py` measures the crossing).
-DECODE_MAX_ROWS = 4
-# Half-precision weights up to this size keep their plain rows for dense_linear beside oneDNN's
-# packed copy. Below it, oneDNN's ~9 us a call beyond the reads is a large part of a decode step's
-# matmul (a 4 MB bf16 weight reads in ~60 us); above it, a few percent, and a second copy of a large
-# model's weights is not worth it. float32 weights stay with oneDNN: twice the bytes per call make
-# its cost a smaller part, and dense_linear measured within noise of it from 2 rows on.
-DECODE_COPY_MAX_BYTES = 16 << 20
+# (`python benchmarks/decode_linear.py` times both per step; per weight, dense_linear measured
+# faster on every SmolLM2 shape up to 8 rows, bf16 and float32, and slower at 16).
+DECODE_MAX_ROWS = 8
+# Weights up to this size keep a second copy in dense_linear's layout beside oneDNN's packed one,
+# for decode steps. It pays at every size (oneDNN's ~9 us a call beyond its reads, and its slower
+# streaming: SmolLM2's 56 MB LM head 1.2x, gate-up 1.3x at one row), but costs the weight's bytes
+# again: up to a small model's LM head, not a 7B model's MLP.
+DECODE_COPY_MAX_BYTES = 64 << 20
 
 
 class PackedCPUWeight:
@@ -37,28 +37,25 @@ class PackedCPUWeight:
 
     F.linear reorders the weight on every call; at decode batch sizes that costs as much as the
     matmul itself (measured: 2-4x faster at one row, 10-40% at 32-64 rows). A decode step's few rows
-    run the CPU kernels' dense_linear on the plain rows instead, where they are kept: `decode_rows`
-    (a weight that is kept anyway, such as a tied embedding), or a bf16/fp16 weight of at most
-    DECODE_COPY_MAX_BYTES, kept beside its packed copy.
+    (up to DECODE_MAX_ROWS) run the CPU kernels' dense_linear instead, on a copy in its own layout
+    kept for weights of at most DECODE_COPY_MAX_BYTES.
     """
 
-    def __init__(self, weight: torch.Tensor, decode_rows: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self._matmul = torch.ops.mkldnn._linear_pointwise.default  # the overload itself: no lookup per call
-        if decode_rows is None and weight.numel() * weight.element_size() <= DECODE_COPY_MAX_BYTES:
-            decode_rows = weight
-        self.decode_rows = None
-        if decode_rows is not None and weight.element_size() == 2 and cpu_kernels.cpu_kernels_available():
-            self.decode_rows = decode_rows.contiguous()
+        self.decode_packed = None
+        if weight.numel() * weight.element_size() <= DECODE_COPY_MAX_BYTES and cpu_kernels.cpu_kernels_available():
+            self.decode_packed = cpu_kernels.dense_pack(weight)
             self._dense = torch.ops.tokenmill_cpu.dense_linear.default
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() == 2 and x.is_contiguous() and bucketed_rows(x.shape[0]) == x.shape[0]:
             # Rows that need no padding (every decode step's few): no reshape, pad or slice (each a dispatch
             # of ~1 us, at 121 calls a token on SmolLM2).
-            if self.decode_rows is not None and x.shape[0] <= DECODE_MAX_ROWS and x.dtype == self.decode_rows.dtype:
-                return self._dense(x, self.decode_rows, bias)
+            if self.decode_packed is not None and x.shape[0] <= DECODE_MAX_ROWS and x.dtype == self.decode_packed.dtype:
+                return self._dense(x, self.decode_packed, self.out_features, bias)
             return self._matmul(x, self.packed, bias, "none", [], "")
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
@@ -121,7 +118,7 @@ class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.prepack:
-            layer.packed_weight = PackedCPUWeight(layer.weight.data, decode_rows=layer.weight.data)
+            layer.packed_weight = PackedCPUWeight(layer.weight.data)
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, layer.weight)
