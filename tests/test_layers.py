@@ -123,6 +123,9 @@ def test_packed_cpu_linear_decode_rows_run_dense_linear(monkeypatch):
             want = F.linear(x.float(), weight.float(), b.float())
             torch.testing.assert_close(packed(x, b).float(), want, atol=tol * 5, rtol=tol)
         assert calls == list(range(1, unquantized.DECODE_MAX_ROWS + 1))
+    monkeypatch.setenv(unquantized.DECODE_COPIES_ENV, "0")
+    assert PackedCPUWeight(weight).decode_packed is None  # turned off
+    monkeypatch.delenv(unquantized.DECODE_COPIES_ENV)
     monkeypatch.setattr(unquantized, "DECODE_COPY_MAX_BYTES", weight.numel() * weight.element_size() - 1)
     assert PackedCPUWeight(weight).decode_packed is None  # a larger weight keeps only oneDNN's copy
 

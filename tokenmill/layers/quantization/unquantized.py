@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,8 +30,11 @@ DECODE_MAX_ROWS = 8
 # Weights up to this size keep a second copy in dense_linear's layout beside oneDNN's packed one,
 # for decode steps. It pays at every size (oneDNN's ~9 us a call beyond its reads, and its slower
 # streaming: SmolLM2's 56 MB LM head 1.2x, gate-up 1.3x at one row), but costs the weight's bytes
-# again: up to a small model's LM head, not a 7B model's MLP.
+# again: up to a small model's LM head (SmolLM2's 56 MB; a 113M Llama's 75 MB measured no gain
+# in its decode step, 1.13x with it on oneDNN and 1.14x without), not a 7B model's MLP.
+# TOKENMILL_DECODE_COPIES=0 keeps none (oneDNN at every row count), for tight memory.
 DECODE_COPY_MAX_BYTES = 64 << 20
+DECODE_COPIES_ENV = "TOKENMILL_DECODE_COPIES"
 
 
 class PackedCPUWeight:
@@ -46,7 +51,8 @@ class PackedCPUWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self._matmul = torch.ops.mkldnn._linear_pointwise.default  # the overload itself: no lookup per call
         self.decode_packed = None
-        if weight.numel() * weight.element_size() <= DECODE_COPY_MAX_BYTES and cpu_kernels.cpu_kernels_available():
+        if (weight.numel() * weight.element_size() <= DECODE_COPY_MAX_BYTES and os.environ.get(DECODE_COPIES_ENV, "1") != "0"
+                and cpu_kernels.cpu_kernels_available()):
             self.decode_packed = cpu_kernels.dense_pack(weight)
             self._dense = torch.ops.tokenmill_cpu.dense_linear.default
 
