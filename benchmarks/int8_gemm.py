@@ -112,7 +112,8 @@ def candidates(x: torch.Tensor, w: torch.Tensor, only: str | None):
         yield "dyn", lambda: torch.ops.quantized.linear_dynamic(x, dyn_packed)
     if only != "torch" and cpu.cpu_kernels_available():
         if x.shape[0] <= 16:
-            yield "w8a16", lambda: cpu.int8_linear(xb, qw, ws, None)
+            qw_tiles = cpu.int8_pack(qw)
+            yield "w8a16", lambda: cpu.int8_linear(xb, qw_tiles, ws, qw.shape[0], None)
         packed_w, colsum = cpu.w8a8_pack(qw)
         yield "w8a8", lambda: cpu.w8a8_linear(xb, packed_w, colsum, ws, None)
 

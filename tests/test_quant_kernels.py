@@ -43,15 +43,16 @@ def test_dense_linear_matches_float_reference(shape, rows, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("shape", [(96, 64), (40, 200), (576, 1536)], ids=str)  # 200: a K that is no multiple of the vector width
+@pytest.mark.parametrize("shape", [(96, 64), (43, 200), (576, 1536)], ids=str)  # 43 x 200: a part tile, a K that is no multiple of the vector width
 def test_int8_linear_matches_reference(shape, rows, dtype):
     n, k = shape
     gen = torch.Generator().manual_seed(n + k + rows)
     q, scale = Q.quantize_int8(torch.randn(n, k, generator=gen))
     x = torch.randn(rows, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    _close(cpu.int8_linear(x, q, scale, bias), Q.int8_linear_reference(x, q, scale, bias))
-    _close(cpu.int8_linear(x, q, scale, None), Q.int8_linear_reference(x, q, scale, None))
+    packed = cpu.int8_pack(q)
+    _close(cpu.int8_linear(x, packed, scale, n, bias), Q.int8_linear_reference(x, q, scale, bias))
+    _close(cpu.int8_linear(x, packed, scale, n, None), Q.int8_linear_reference(x, q, scale, None))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -121,8 +122,10 @@ def test_bad_shapes_are_errors():
         with pytest.raises(RuntimeError, match="dense_linear: the weight must be dense_pack's layout"):
             cpu.dense_linear(x, packed, n, None)
     q, scale = Q.quantize_int8(torch.randn(8, 64))
-    with pytest.raises(RuntimeError, match="features"):
-        cpu.int8_linear(torch.randn(2, 32), q, scale, None)
+    with pytest.raises(RuntimeError, match="int8_linear: the weight must be int8_pack's layout"):
+        cpu.int8_linear(torch.randn(2, 32), cpu.int8_pack(q), scale, 8, None)
+    with pytest.raises(RuntimeError, match="int8_linear: the weight must be int8_pack's layout"):
+        cpu.int8_linear(torch.randn(2, 64), q, scale, 8, None)  # not packed
     packed, s, m = Q.quantize_int4(torch.randn(8, 64), 32, False)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu.int4_linear(torch.randn(2, 64), packed, s, m, 48, None)

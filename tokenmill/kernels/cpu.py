@@ -430,9 +430,14 @@ def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias:
     return torch.ops.tokenmill_cpu.dense_linear(x, packed, out_features, bias)
 
 
-def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ (w [N, K] int8 * scale [N])^T + bias, in x's dtype (see quant_linear.cpp)."""
-    return torch.ops.tokenmill_cpu.int8_linear(x, w, scale, bias)
+def int8_pack(q: torch.Tensor) -> torch.Tensor:
+    """An int8 weight [N, K] in int8_linear's layout (tiles of output rows side by side; see decode_linear.cpp)."""
+    return torch.ops.tokenmill_cpu.int8_pack(q)
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ (q [out_features, K] int8 * scale)^T + bias in x's dtype, q packed by int8_pack (see decode_linear.cpp)."""
+    return torch.ops.tokenmill_cpu.int8_linear(x, packed, scale, out_features, bias)
 
 
 def int4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group_size: int,

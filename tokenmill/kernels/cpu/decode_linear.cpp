@@ -1,5 +1,6 @@
-// Full-precision linear layers for the few rows of a decode step (CPU): y = x W^T + b with W a
-// float32, bf16 or fp16 weight in x's dtype, packed once by `dense_pack` (`dense_linear`).
+// Linear layers for the few rows of a decode step (CPU): y = x W^T + b with W a float32, bf16 or
+// fp16 weight in x's dtype (`dense_linear`) or an int8 one with a scale per output row (`int8_linear`,
+// weight-only W8A16: W[n, k] = q[n, k] * scale[n]), packed once by `dense_pack` / `int8_pack`.
 //
 // A decode step reads every weight once for one to a few rows of x, so its cost is the bytes read
 // plus what each call costs besides. oneDNN's prepacked matmul costs about 9 us a call beyond its
@@ -13,7 +14,8 @@
 // (Zen 4 and later, Cooper Lake, Sapphire Rapids) bf16 weights are packed by pairs of input
 // features instead ([tiles, ceil(K / 2), kTileN, 2]) for vdpbf16ps, which multiplies the pairs of
 // 16 rows by a broadcast pair of x exactly and adds them into float32 lanes: one instruction per 64
-// bytes of weights where widening to float32 takes several. The work is split over tiles in tasks of at least ~64 KB of weights. Prompt chunks
+// bytes of weights where widening to float32 takes several. int8 weights are widened to float32 in
+// registers. The work is split over tiles in tasks of at least ~64 KB of weights. Prompt chunks
 // (many rows) are cheaper in oneDNN's GEMM (the Python side chooses: layers/quantization/
 // unquantized.py, weight_only.py).
 //
@@ -61,8 +63,15 @@ constexpr bool paired() {
   return kPairedBf16 && std::is_same_v<T, c10::BFloat16>;
 }
 
-// out[i * kTileN + r] = sum_k x[i * K + k] * W[r, k] for i < MT, r < kTileN: one packed tile against
-// MT rows of x (float32).
+#if TOKENMILL_SIMD
+// A vector of weights widened to float32 lanes.
+inline Vec load_weights(const int8_t* p) { return tokenmill_cpu::load_int8(p); }
+template <typename T>
+inline Vec load_weights(const T* p) { return Vec::load(p); }
+#endif
+
+// out[i * kTileN + r] = sum_k x[i * K + k] * W[r, k] for i < MT, r < kTileN: one packed tile of
+// float or int8 weights against MT rows of x (float32).
 template <typename WT, int MT>
 inline void tile_dot(const float* x, int64_t K, const WT* tile, float* out) {
 #if TOKENMILL_SIMD
@@ -73,7 +82,7 @@ inline void tile_dot(const float* x, int64_t K, const WT* tile, float* out) {
     Vec xb[MT];
     for (int i = 0; i < MT; ++i) xb[i] = Vec::set1(x[i * K + k]);
     for (int v = 0; v < kVecs; ++v) {
-      const Vec wv = Vec::load(tile + k * kTileN + v * W);
+      const Vec wv = load_weights(tile + k * kTileN + v * W);
       for (int i = 0; i < MT; ++i) acc[i][v] = fmadd(wv, xb[i], acc[i][v]);
     }
   }
@@ -143,6 +152,12 @@ at::Tensor dense_pack(const at::Tensor& w) {
   return padded.view({tiles, kTileN, pair_count, 2}).transpose(1, 2).contiguous();
 }
 
+// int8_linear's layout of q [N, K] int8: tiles_of(q).
+at::Tensor int8_pack(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8_pack: q must be int8 [out_features, in_features]");
+  return tiles_of(q);
+}
+
 std::vector<float> bias_as_float(const std::optional<at::Tensor>& bias, int64_t N, const char* op) {
   std::vector<float> out(N, 0.f);
   if (bias.has_value() && bias->defined()) {
@@ -154,7 +169,7 @@ std::vector<float> bias_as_float(const std::optional<at::Tensor>& bias, int64_t 
 }
 
 // y [M, N] in x's dtype T: y[m, n] = (sum_k x[m, k] W[n, k]) * (scale ? scale[n] : 1) + bias[n], rounded
-// once, W packed in tiles of WT; paired: bf16 pairs for vdpbf16ps.
+// once, W packed in tiles of WT (T itself, or int8); paired: bf16 pairs for vdpbf16ps.
 template <typename T, typename WT, bool kPaired>
 at::Tensor tiled_linear(const at::Tensor& x, const WT* wp, int64_t N, const float* scale, const std::vector<float>& bias) {
   const int64_t M = x.size(0), K = x.size(1), tiles = (N + kTileN - 1) / kTileN;
@@ -223,11 +238,31 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
   return y;
 }
 
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t out_features,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "int8_linear: x must be [rows, in_features]");
+  const int64_t N = out_features, K = x.size(1), tiles = (N + kTileN - 1) / kTileN;
+  check_packed(packed, {tiles, K, kTileN}, at::kChar, N, K, "int8_linear", "int8_pack");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "int8_linear: scale must be float32 [N]");
+  const std::vector<float> b = bias_as_float(bias, N, "int8_linear");
+  at::Tensor y;
+  dispatch_float_types(x.scalar_type(), "int8_linear", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    y = tiled_linear<T, int8_t, false>(x, packed.data_ptr<int8_t>(), N, scale.data_ptr<float>(), b);
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("dense_pack(Tensor w) -> Tensor");
   m.def("dense_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("int8_pack(Tensor q) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int out_features, Tensor? bias) -> Tensor");
   m.impl("dense_pack", c10::DispatchKey::CPU, &dense_pack);
   m.impl("dense_linear", c10::DispatchKey::CPU, &dense_linear);
+  m.impl("int8_pack", c10::DispatchKey::CPU, &int8_pack);
+  m.impl("int8_linear", c10::DispatchKey::CPU, &int8_linear);
 }

@@ -1,4 +1,5 @@
-// Weight-only quantized linear layers (CPU): y = x W^T + b with W held as int8 or int4.
+// Weight-only quantized linear layers (CPU): y = x W^T + b with W held as int4, and the int8 and
+// int4 weights dequantized for prompt chunks (int8's decode kernel is decode_linear.cpp's).
 //
 // Decode is bound by the bytes of the weights read per token, so these kernels read the packed
 // weights once per call and widen them to float32 in registers, never to memory; activations stay
@@ -44,33 +45,6 @@ constexpr int W = Vec::W;
 #endif
 
 constexpr int kBlock = 32;       // int4 weights per 16-byte block
-
-// out[i] = sum_k x[i * K + k] * w[k] for i < MT (one int8 weight row against MT rows of x).
-template <int MT>
-inline void int8_dot(const float* x, int64_t K, const int8_t* w, float* out) {
-  float sums[MT] = {};
-  int64_t k = 0;
-#if TOKENMILL_SIMD
-  // Two accumulators per row: one chain of fused multiply-adds per row would wait on its latency.
-  Vec acc0[MT], acc1[MT];
-  for (int i = 0; i < MT; ++i) acc0[i] = acc1[i] = Vec::zero();
-  for (; k + 2 * W <= K; k += 2 * W) {
-    const Vec w0 = tokenmill_cpu::load_int8(w + k), w1 = tokenmill_cpu::load_int8(w + k + W);
-    for (int i = 0; i < MT; ++i) {
-      acc0[i] = fmadd(w0, Vec::load(x + i * K + k), acc0[i]);
-      acc1[i] = fmadd(w1, Vec::load(x + i * K + k + W), acc1[i]);
-    }
-  }
-  for (; k + W <= K; k += W) {
-    const Vec w0 = tokenmill_cpu::load_int8(w + k);
-    for (int i = 0; i < MT; ++i) acc0[i] = fmadd(w0, Vec::load(x + i * K + k), acc0[i]);
-  }
-  for (int i = 0; i < MT; ++i) sums[i] = reduce_add(acc0[i] + acc1[i]);
-#endif
-  for (; k < K; ++k)
-    for (int i = 0; i < MT; ++i) sums[i] += x[i * K + k] * static_cast<float>(w[k]);
-  for (int i = 0; i < MT; ++i) out[i] = sums[i];
-}
 
 // sum_j a[j] * b[j] over n floats (the groups' min terms: one per group, so a vector loop pays
 // once groups are small).
@@ -133,26 +107,6 @@ inline void int4_dot(const float* x, int64_t K, int64_t G, const uint8_t* w, con
   for (int i = 0; i < MT; ++i) sums[i] += reduce_add(acc[i]);
 #endif
   for (int i = 0; i < MT; ++i) out[i] = sums[i];
-}
-
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), "int8_linear: w must be contiguous int8 [N, K]");
-  const int64_t N = w.size(0), K = w.size(1);
-  check_x(x, K, "int8_linear");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
-              "int8_linear: scale must be float32 [N]");
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  at::Tensor y;
-  dispatch_float_types(x.scalar_type(), "int8_linear", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const std::vector<float> xf = rows_as_float<T>(x);
-    y = linear_rows<T>(x, xf, N, bias, [&](int64_t n, int64_t, int rows, const float* xr, float* out) {
-      with_row_count(rows, [&](auto mt) { int8_dot<decltype(mt)::value>(xr, K, wp + n * K, out); });
-      for (int i = 0; i < rows; ++i) out[i] *= sp[n];
-    });
-  });
-  return y;
 }
 
 void check_int4(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& min, int64_t G, const char* op) {
@@ -259,11 +213,9 @@ at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& scale, const a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
-  m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scale, Tensor min, int group_size, Tensor? bias) -> Tensor");
   m.def("int8_dequantize(Tensor w, Tensor scale, Tensor like) -> Tensor");
   m.def("int4_dequantize(Tensor w, Tensor scale, Tensor min, int group_size, Tensor like) -> Tensor");
-  m.impl("int8_linear", c10::DispatchKey::CPU, &int8_linear);
   m.impl("int4_linear", c10::DispatchKey::CPU, &int4_linear);
   m.impl("int8_dequantize", c10::DispatchKey::CPU, &int8_dequantize);
   m.impl("int4_dequantize", c10::DispatchKey::CPU, &int4_dequantize);

@@ -23,7 +23,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.layers.quantization import quant_utils
 from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
 from tokenmill.layers.quantization.unquantized import UnquantizedConfig
-from tokenmill.layers.quantization.weight_only import Int4LinearMethod, int8_linear
+from tokenmill.layers.quantization.weight_only import Int4LinearMethod, int8_linear, store_int8
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +148,7 @@ class PackedInt8Method(LinearMethodBase):
     @staticmethod
     def store(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
         """q [N, K] int8, scale [N]: W = q * scale."""
-        layer.register_buffer("qweight", q.to(torch.int8).contiguous(), persistent=False)
-        layer.register_buffer("weight_scale", scale.float().reshape(-1).contiguous(), persistent=False)
+        store_int8(layer, q, scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return int8_linear(layer, x, bias)

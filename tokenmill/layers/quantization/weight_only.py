@@ -44,9 +44,25 @@ def _use_kernels(x: torch.Tensor) -> bool:
 
 
 def _store_int8(layer: nn.Module) -> None:
-    qweight, scale = quant_utils.quantize_int8(layer.weight.data)
-    layer.register_buffer("qweight", qweight, persistent=False)
-    layer.register_buffer("weight_scale", scale, persistent=False)
+    store_int8(layer, *quant_utils.quantize_int8(layer.weight.data))
+
+
+def store_int8(layer: nn.Module, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+    """int8 weights q [N, K] with a scale per output channel [N]: W = q * scale. Where the CPU kernels run,
+    q is held in int8_linear's tiled layout (decode_linear.cpp), which prompt chunks un-tile to dequantize."""
+    layer.int8_shape = tuple(qweight.shape)
+    if qweight.device.type == "cpu" and cpu_kernels.cpu_kernels_available():
+        qweight = cpu_kernels.int8_pack(qweight.to(torch.int8).contiguous())
+    layer.register_buffer("qweight", qweight.to(torch.int8).contiguous(), persistent=False)
+    layer.register_buffer("weight_scale", scale.float().reshape(-1).contiguous(), persistent=False)
+
+
+def int8_rows(layer: nn.Module) -> torch.Tensor:
+    """A layer's int8 weight as [N, K] rows (un-tiled when held in int8_linear's layout)."""
+    if layer.qweight.dim() == 2:
+        return layer.qweight
+    n, k = layer.int8_shape
+    return layer.qweight.transpose(1, 2).reshape(-1, k)[:n]
 
 
 def quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel: Callable[[torch.Tensor], torch.Tensor],
@@ -68,15 +84,16 @@ def _decode_rows(x: torch.Tensor) -> bool:
 
 
 def int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out_features = layer.int8_shape[0]
     if _decode_rows(x):
-        return cpu_kernels.int8_linear(x, layer.qweight, layer.weight_scale, bias)
+        return cpu_kernels.int8_linear(x, layer.qweight, layer.weight_scale, out_features, bias)
 
     def dequantized(dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
         if with_kernels:
-            return cpu_kernels.int8_dequantize(layer.qweight, layer.weight_scale, dtype)
-        return quant_utils.dequantize_int8(layer.qweight, layer.weight_scale).to(dtype)
+            return cpu_kernels.int8_dequantize(int8_rows(layer).contiguous(), layer.weight_scale, dtype)
+        return quant_utils.dequantize_int8(int8_rows(layer), layer.weight_scale).to(dtype)
 
-    return quantized_linear(x, bias, lambda rows: cpu_kernels.int8_linear(rows, layer.qweight, layer.weight_scale, bias),
+    return quantized_linear(x, bias, lambda rows: cpu_kernels.int8_linear(rows, layer.qweight, layer.weight_scale, out_features, bias),
                              dequantized)
 
 
