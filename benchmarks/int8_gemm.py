@@ -16,7 +16,7 @@ For each layer shape and number of rows M, microseconds per call (median of time
                x_scale is per tensor)
   dyn          torch.ops.quantized.linear_dynamic (fbgemm, per-tensor dynamic activation scale,
                so not what w8a8 computes; for scale)
-  w8a16        tokenmill's `int8` decode kernel (quant_linear.cpp, float activations), up to 16 rows
+  w8a16        tokenmill's `int8` decode kernel (decode_linear.cpp, float activations), up to 16 rows
   w8a8         tokenmill's kernel (kernels/cpu/int8_gemm.cpp), quantize and rescale included,
                where it is built (bf16 activations in, bf16 out)
 

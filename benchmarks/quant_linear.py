@@ -4,7 +4,7 @@
 
 For SmolLM2-135M's shapes (gate-up 3072 x 576, down 576 x 1536, LM head 49152 x 576): the float
 linear (oneDNN-prepacked on CPUs with native bf16, F.linear otherwise), the int8 and int4 kernels
-(decode_linear.cpp, quant_linear.cpp), and the prompt path (dequantize, then the float GEMM). Medians of 7 timed
+(decode_linear.cpp), and the prompt path (dequantize, then the float GEMM). Medians of 7 timed
 loops, microseconds; where the kernels stop beating the dequantize path is KERNEL_MAX_ROWS in
 tokenmill/layers/quantization/weight_only.py. TOKENMILL_CPU_MARCH=x86-64-v3 times the AVX2 build.
 """
@@ -56,6 +56,7 @@ def main() -> None:
         q8_tiles = cpu.int8_pack(q8)
         q32 = Q.quantize_int4(w, 32, False)
         q128 = Q.quantize_int4(w, 128, False)
+        q32_tiles, q128_tiles = cpu.int4_pack(*q32), cpu.int4_pack(*q128)
         wd = w.to(dtype)
         dense = PackedCPUWeight(wd) if packed else (lambda x: F.linear(x, wd))
         loops = 5 if name == "lm_head" else 50
@@ -64,10 +65,10 @@ def main() -> None:
             times = [
                 median_us(lambda: dense(x), loops),
                 median_us(lambda: cpu.int8_linear(x, q8_tiles, s8, n, None), loops),
-                median_us(lambda: cpu.int4_linear(x, *q32, 32, None), loops),
-                median_us(lambda: cpu.int4_linear(x, *q128, 128, None), loops),
-                median_us(lambda: F.linear(x, cpu.int8_dequantize(q8, s8, dtype)), loops),
-                median_us(lambda: F.linear(x, cpu.int4_dequantize(*q128, 128, dtype)), loops),
+                median_us(lambda: cpu.int4_linear(x, *q32_tiles, 32, n, None), loops),
+                median_us(lambda: cpu.int4_linear(x, *q128_tiles, 128, n, None), loops),
+                median_us(lambda: F.linear(x, cpu.int8_dequantize(q8_tiles, s8, n, dtype)), loops),
+                median_us(lambda: F.linear(x, cpu.int4_dequantize(*q128_tiles, 128, n, dtype)), loops),
             ]
             print(f"{name:<8}{rows:>5}" + "".join(f"{t:>10.1f}" for t in times), flush=True)
 

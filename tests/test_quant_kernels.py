@@ -58,7 +58,7 @@ def test_int8_linear_matches_reference(shape, rows, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("group_size,symmetric", [(32, False), (64, True), (128, False)])
-@pytest.mark.parametrize("shape", [(96, 64), (48, 576), (576, 1536)], ids=str)  # 576 = 4.5 groups of 128: a short last group
+@pytest.mark.parametrize("shape", [(96, 64), (43, 576), (576, 1536)], ids=str)  # 43: a part tile; 576 = 4.5 groups of 128: a short last group
 def test_int4_linear_matches_reference(shape, group_size, symmetric, rows, dtype):
     n, k = shape
     gen = torch.Generator().manual_seed(n + k + rows + group_size)
@@ -66,17 +66,17 @@ def test_int4_linear_matches_reference(shape, group_size, symmetric, rows, dtype
     x = torch.randn(rows, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     want = Q.int4_linear_reference(x, packed, scale, minimum, group_size, bias)
-    _close(cpu.int4_linear(x, packed, scale, minimum, group_size, bias), want)
+    _close(cpu.int4_linear(x, *cpu.int4_pack(packed, scale, minimum), group_size, n, bias), want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dequantize_ops_match_reference(dtype):
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(80, 576, generator=gen)
+    w = torch.randn(83, 576, generator=gen)  # 83: a part tile
     q, scale = Q.quantize_int8(w)
-    assert torch.equal(cpu.int8_dequantize(q, scale, dtype), Q.dequantize_int8(q, scale).to(dtype))
+    assert torch.equal(cpu.int8_dequantize(cpu.int8_pack(q), scale, 83, dtype), Q.dequantize_int8(q, scale).to(dtype))
     packed, s, m = Q.quantize_int4(w, 128, False)
-    assert torch.equal(cpu.int4_dequantize(packed, s, m, 128, dtype), Q.dequantize_int4(packed, s, m, 128).to(dtype))
+    assert torch.equal(cpu.int4_dequantize(*cpu.int4_pack(packed, s, m), 128, 83, dtype), Q.dequantize_int4(packed, s, m, 128).to(dtype))
 
 
 def test_int4_packing_round_trips():
@@ -127,7 +127,12 @@ def test_bad_shapes_are_errors():
     with pytest.raises(RuntimeError, match="int8_linear: the weight must be int8_pack's layout"):
         cpu.int8_linear(torch.randn(2, 64), q, scale, 8, None)  # not packed
     packed, s, m = Q.quantize_int4(torch.randn(8, 64), 32, False)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        cpu.int4_linear(torch.randn(2, 64), packed, s, m, 48, None)
+    tiles = cpu.int4_pack(packed, s, m)
+    with pytest.raises(RuntimeError, match="int4_linear: scale and min must be int4_pack's"):
+        cpu.int4_linear(torch.randn(2, 64), *tiles, 16, 8, None)  # 4 groups where 2 were packed
+    with pytest.raises(RuntimeError, match="int4_linear: the weight must be int4_pack's layout"):
+        cpu.int4_linear(torch.randn(2, 64), packed, s, m, 32, 8, None)  # not packed
+    with pytest.raises(RuntimeError, match="int4_linear: x has 32 features, the weight 64"):
+        cpu.int4_linear(torch.randn(2, 32), *tiles, 32, 8, None)
     with pytest.raises(ValueError, match="divisible by 32"):
         Q.quantize_int4(torch.randn(8, 48), 32, False)

@@ -43,7 +43,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent / "cpu"
-_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "sampling.cpp", "pointwise.cpp", "quant_linear.cpp", "int8_gemm.cpp", "gguf_linear.cpp", "decode_linear.cpp")]
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "sampling.cpp", "pointwise.cpp", "int8_gemm.cpp", "gguf_linear.cpp", "decode_linear.cpp")]
 _HEADERS = [_DIR / name for name in ("vec.h", "quant_rows.h")]
 # -ffp-contract=off: no fused multiply-adds the source does not write, so the pointwise ops round as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
@@ -440,20 +440,27 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_
     return torch.ops.tokenmill_cpu.int8_linear(x, packed, scale, out_features, bias)
 
 
-def int4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group_size: int,
+def int4_pack(packed: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quant_utils' int4 (packed [N, K / 2], scale and min [N, groups]) in int4_linear's layout: (tiles, scale, min)."""
+    tiles, scale, min_ = torch.ops.tokenmill_cpu.int4_pack(packed, scale, min_)
+    return tiles, scale, min_
+
+
+def int4_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group_size: int, out_features: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ W^T + bias with W packed as int4 [N, K / 2] with group-wise scale and min (see quant_linear.cpp)."""
-    return torch.ops.tokenmill_cpu.int4_linear(x, w, scale, min_, group_size, bias)
+    """x [M, K] @ W^T + bias with W [out_features, K] int4 with group-wise scale and min, packed by int4_pack (see decode_linear.cpp)."""
+    return torch.ops.tokenmill_cpu.int4_linear(x, tiles, scale, min_, group_size, out_features, bias)
 
 
-def int8_dequantize(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The float [N, K] weight of an int8 one, in dtype."""
-    return torch.ops.tokenmill_cpu.int8_dequantize(w, scale, torch.empty(0, dtype=dtype))
+def int8_dequantize(tiles: torch.Tensor, scale: torch.Tensor, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float [N, K] weight of an int8 one packed by int8_pack, in dtype."""
+    return torch.ops.tokenmill_cpu.int8_dequantize(tiles, scale, out_features, torch.empty(0, dtype=dtype))
 
 
-def int4_dequantize(w: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """The float [N, K] weight of a packed int4 one, in dtype."""
-    return torch.ops.tokenmill_cpu.int4_dequantize(w, scale, min_, group_size, torch.empty(0, dtype=dtype))
+def int4_dequantize(tiles: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group_size: int, out_features: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The float [N, K] weight of an int4 one packed by int4_pack, in dtype."""
+    return torch.ops.tokenmill_cpu.int4_dequantize(tiles, scale, min_, group_size, out_features, torch.empty(0, dtype=dtype))
 
 
 def gguf_linear(x: torch.Tensor, w: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None) -> torch.Tensor:

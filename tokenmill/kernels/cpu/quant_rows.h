@@ -1,4 +1,4 @@
-// What the quantized linear kernels (quant_linear.cpp, gguf_linear.cpp) share: x widened to
+// What the GGUF linear kernels (gguf_linear.cpp) share: x widened to
 // float32 once per call, and the loop over output channels that runs a weight row's dot product
 // against all rows of x, a few at a time, split over threads.
 #pragma once

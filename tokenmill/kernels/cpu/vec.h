@@ -156,7 +156,7 @@ inline Vec round_trip(Vec x, const c10::Half*) {
   return {_mm512_cvtph_ps(_mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))};
 }
 
-// Weight-only quantized rows (quant_linear.cpp): W int8 values widened to float32 lanes, and the
+// Weight-only quantized rows (decode_linear.cpp): W int8 values widened to float32 lanes, and the
 // low and high nibbles of W bytes as two float32 vectors (values 0..15).
 inline Vec load_int8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};

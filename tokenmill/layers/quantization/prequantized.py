@@ -23,7 +23,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.layers.quantization import quant_utils
 from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
 from tokenmill.layers.quantization.unquantized import UnquantizedConfig
-from tokenmill.layers.quantization.weight_only import Int4LinearMethod, int8_linear, store_int8
+from tokenmill.layers.quantization.weight_only import Int4LinearMethod, int8_linear, store_int4, store_int8
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +130,8 @@ class PackedInt4Method(Int4LinearMethod):
               perm: torch.Tensor | None = None) -> None:
         """q [N, K] in 0..15, zeros and scale [N, groups]: W = (q - zero) * scale. perm: the input order
         of q's columns (act-order), or None. The checkpoint's parameters must be removed first."""
-        scale = scale.float().contiguous()
-        layer.register_buffer("qweight", quant_utils.pack_int4(q.to(torch.uint8).contiguous()), persistent=False)
-        layer.register_buffer("weight_scale", scale, persistent=False)
-        layer.register_buffer("weight_min", (-zeros.float() * scale).contiguous(), persistent=False)
+        scale = scale.float()
+        store_int4(layer, quant_utils.pack_int4(q.to(torch.uint8).contiguous()), scale, -zeros.float() * scale)
         layer.register_buffer("input_perm", perm, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Weight-only quantization of float weights at load, and the plain PyTorch reference of the formats.
 
-The formats are the ones kernels/cpu/quant_linear.cpp computes with:
+The formats are the ones kernels/cpu/decode_linear.cpp packs (int8_pack, int4_pack) and computes with:
   int8: q [N, K] int8 in -127..127, scale [N] float32 (per output channel, symmetric): W = q * scale.
   int4: packed [N, K / 2] uint8, scale and min [N, groups] float32, groups of `group_size` input
         channels (the last may be shorter, a multiple of 32): W = q * scale + min, q in 0..15.

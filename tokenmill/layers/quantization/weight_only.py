@@ -47,22 +47,28 @@ def _store_int8(layer: nn.Module) -> None:
     store_int8(layer, *quant_utils.quantize_int8(layer.weight.data))
 
 
+def _on_kernels(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and cpu_kernels.cpu_kernels_available()
+
+
 def store_int8(layer: nn.Module, qweight: torch.Tensor, scale: torch.Tensor) -> None:
     """int8 weights q [N, K] with a scale per output channel [N]: W = q * scale. Where the CPU kernels run,
-    q is held in int8_linear's tiled layout (decode_linear.cpp), which prompt chunks un-tile to dequantize."""
-    layer.int8_shape = tuple(qweight.shape)
-    if qweight.device.type == "cpu" and cpu_kernels.cpu_kernels_available():
-        qweight = cpu_kernels.int8_pack(qweight.to(torch.int8).contiguous())
-    layer.register_buffer("qweight", qweight.to(torch.int8).contiguous(), persistent=False)
+    q is held in their tiled layout (int8_pack, decode_linear.cpp), which their dequantize reads too."""
+    layer.out_features = qweight.shape[0]
+    qweight = qweight.to(torch.int8).contiguous()
+    layer.register_buffer("qweight", cpu_kernels.int8_pack(qweight) if _on_kernels(qweight) else qweight, persistent=False)
     layer.register_buffer("weight_scale", scale.float().reshape(-1).contiguous(), persistent=False)
 
 
-def int8_rows(layer: nn.Module) -> torch.Tensor:
-    """A layer's int8 weight as [N, K] rows (un-tiled when held in int8_linear's layout)."""
-    if layer.qweight.dim() == 2:
-        return layer.qweight
-    n, k = layer.int8_shape
-    return layer.qweight.transpose(1, 2).reshape(-1, k)[:n]
+def store_int4(layer: nn.Module, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+    """quant_utils' int4 (packed [N, K / 2], scale and min [N, groups]): W = q * scale + min. Where the CPU
+    kernels run, held in their tiled layout (int4_pack, decode_linear.cpp), which their dequantize reads too."""
+    layer.out_features = packed.shape[0]
+    quantized = (packed.contiguous(), scale.float().contiguous(), minimum.float().contiguous())
+    if _on_kernels(packed):
+        quantized = cpu_kernels.int4_pack(*quantized)
+    for name, tensor in zip(("qweight", "weight_scale", "weight_min"), quantized):
+        layer.register_buffer(name, tensor, persistent=False)
 
 
 def quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel: Callable[[torch.Tensor], torch.Tensor],
@@ -84,14 +90,14 @@ def _decode_rows(x: torch.Tensor) -> bool:
 
 
 def int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out_features = layer.int8_shape[0]
+    out_features = layer.out_features
     if _decode_rows(x):
         return cpu_kernels.int8_linear(x, layer.qweight, layer.weight_scale, out_features, bias)
 
     def dequantized(dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
         if with_kernels:
-            return cpu_kernels.int8_dequantize(int8_rows(layer).contiguous(), layer.weight_scale, dtype)
-        return quant_utils.dequantize_int8(int8_rows(layer), layer.weight_scale).to(dtype)
+            return cpu_kernels.int8_dequantize(layer.qweight, layer.weight_scale, out_features, dtype)
+        return quant_utils.dequantize_int8(layer.qweight, layer.weight_scale).to(dtype)
 
     return quantized_linear(x, bias, lambda rows: cpu_kernels.int8_linear(rows, layer.qweight, layer.weight_scale, out_features, bias),
                              dequantized)
@@ -128,10 +134,7 @@ class Int4LinearMethod(LinearMethodBase):
         if self.as_int8:
             _store_int8(layer)
         else:
-            packed, scale, minimum = quant_utils.quantize_int4(layer.weight.data, self.group_size, self.symmetric)
-            layer.register_buffer("qweight", packed, persistent=False)
-            layer.register_buffer("weight_scale", scale, persistent=False)
-            layer.register_buffer("weight_min", minimum, persistent=False)
+            store_int4(layer, *quant_utils.quantize_int4(layer.weight.data, self.group_size, self.symmetric))
         free_parameter(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -139,14 +142,15 @@ class Int4LinearMethod(LinearMethodBase):
             return int8_linear(layer, x, bias)
         quantized = (layer.qweight, layer.weight_scale, layer.weight_min, self.group_size)
         if _decode_rows(x):
-            return cpu_kernels.int4_linear(x, *quantized, bias)
+            return cpu_kernels.int4_linear(x, *quantized, layer.out_features, bias)
 
         def dequantized(dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
             if with_kernels:
-                return cpu_kernels.int4_dequantize(*quantized, dtype)
+                return cpu_kernels.int4_dequantize(*quantized, layer.out_features, dtype)
             return quant_utils.dequantize_int4(*quantized).to(dtype)
 
-        return quantized_linear(x, bias, lambda rows: cpu_kernels.int4_linear(rows, *quantized, bias), dequantized)
+        return quantized_linear(x, bias, lambda rows: cpu_kernels.int4_linear(rows, *quantized, layer.out_features, bias),
+                                dequantized)
 
 
 class Int8LMHeadMethod(UnquantizedEmbeddingMethod):
