@@ -453,14 +453,14 @@ def int4_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, min_:
 
 
 def int8_dequantize(tiles: torch.Tensor, scale: torch.Tensor, out_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """The float [N, K] weight of an int8 one packed by int8_pack, in dtype."""
-    return torch.ops.tokenmill_cpu.int8_dequantize(tiles, scale, out_features, torch.empty(0, dtype=dtype))
+    """The float [N, K] weight of an int8 one packed by int8_pack, in dtype (a transposed view of [K, N]: see decode_linear.cpp)."""
+    return torch.ops.tokenmill_cpu.int8_dequantize(tiles, scale, out_features, torch.empty(0, dtype=dtype)).t()
 
 
 def int4_dequantize(tiles: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group_size: int, out_features: int,
                     dtype: torch.dtype) -> torch.Tensor:
-    """The float [N, K] weight of an int4 one packed by int4_pack, in dtype."""
-    return torch.ops.tokenmill_cpu.int4_dequantize(tiles, scale, min_, group_size, out_features, torch.empty(0, dtype=dtype))
+    """The float [N, K] weight of an int4 one packed by int4_pack, in dtype (a transposed view of [K, N])."""
+    return torch.ops.tokenmill_cpu.int4_dequantize(tiles, scale, min_, group_size, out_features, torch.empty(0, dtype=dtype)).t()
 
 
 def gguf_linear(x: torch.Tensor, w: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -402,54 +402,78 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiles, const at::T
   return y;
 }
 
-// The float weights [N, K] in `like`'s dtype of a quantized weight in tiles, for prompt chunks (one
-// dequantize, then a float GEMM): row(t, r, o) writes output row r of tile t into o [K] (as T).
-template <typename Row>
-at::Tensor dequantize_tiles(int64_t N, int64_t K, int64_t tiles, const at::Tensor& like, const char* op, Row&& row) {
-  at::Tensor out = at::empty({N, K}, like.options());
+// The transposed float weights W^T [K, N] in `like`'s dtype of a quantized weight in tiles, for prompt
+// chunks (one dequantize, then a float GEMM, x @ W^T): column(t, k, o) writes W[t * kTileN .. + kTileN, k]
+// (as T) to o, kTileN consecutive elements of row k, the last tile's only up to N (o then points into
+// a scratch row). Transposed because a tile holds, per input feature, its rows side by side: each row
+// of W^T is written contiguously, tile after tile, where W's rows would be written a column at a time
+// (ten times slower). The tiles' bytes for one k are reread from cache for the next.
+template <typename Column>
+at::Tensor dequantize_transposed(int64_t N, int64_t K, int64_t tiles, const at::Tensor& like, const char* op, Column&& column) {
+  at::Tensor out = at::empty({K, N}, like.options());
   dispatch_float_types(like.scalar_type(), op, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* op_ = out.data_ptr<T>();
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        for (int r = 0; r < kTileN && t * kTileN + r < N; ++r) row(t, r, op_ + (t * kTileN + r) * K);
+    at::parallel_for(0, K, 8, [&](int64_t begin, int64_t end) {
+      T scratch[kTileN];
+      for (int64_t k = begin; k < end; ++k)
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t n = t * kTileN, cols = std::min<int64_t>(kTileN, N - n);
+          T* o = cols == kTileN ? op_ + k * N + n : scratch;
+          column(t, k, o);
+          if (cols < kTileN) std::copy(scratch, scratch + cols, op_ + k * N + n);
+        }
     });
   });
   return out;
 }
 
-// int8_pack's tiles dequantized: q * scale, rounded once as quant_utils.dequantize_int8 does.
+// int8_pack's tiles dequantized, transposed: W^T[k, n] = q[n, k] * scale[n], rounded once as
+// quant_utils.dequantize_int8 does.
 at::Tensor int8_dequantize(const at::Tensor& tiles, const at::Tensor& scale, int64_t out_features, const at::Tensor& like) {
   const int64_t N = out_features, K = tiles.dim() == 3 ? tiles.size(1) : 0;
   check_packed(tiles, {(N + kTileN - 1) / kTileN, K, kTileN}, at::kChar, N, K, "int8_dequantize", "int8_pack");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
               "int8_dequantize: scale must be float32 [N]");
+  // The scales padded to whole tiles (the padded rows are never stored).
+  const at::Tensor scale_tiles = at::constant_pad_nd(scale, {0, tiles.size(0) * kTileN - N});
   const int8_t* wp = tiles.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  return dequantize_tiles(N, K, tiles.size(0), like, "int8_dequantize", [&](int64_t t, int r, auto* o) {
-    using T = std::remove_pointer_t<decltype(o)>;
-    const int8_t* w = wp + t * K * kTileN + r;
-    const float s = sp[t * kTileN + r];
-    for (int64_t k = 0; k < K; ++k) o[k] = static_cast<T>(static_cast<float>(w[k * kTileN]) * s);
+  const float* sp = scale_tiles.data_ptr<float>();
+  return dequantize_transposed(N, K, tiles.size(0), like, "int8_dequantize", [&](int64_t t, int64_t k, auto* o) {
+    const int8_t* w = wp + (t * K + k) * kTileN;
+    const float* s = sp + t * kTileN;
+#if TOKENMILL_SIMD
+    for (int v = 0; v < kVecs; ++v) store(o + v * W, tokenmill_cpu::load_int8(w + v * W) * Vec::load(s + v * W));
+#else
+    for (int r = 0; r < kTileN; ++r) o[r] = static_cast<std::remove_pointer_t<decltype(o)>>(static_cast<float>(w[r]) * s[r]);
+#endif
   });
 }
 
-// int4_pack's tiles dequantized: q * scale + min, rounded twice as quant_utils.dequantize_int4 does.
+// int4_pack's tiles dequantized, transposed: W^T[k, n] = q * scale + min of row n's group of k, rounded
+// twice as quant_utils.dequantize_int4 does.
 at::Tensor int4_dequantize(const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& min, int64_t group_size,
                            int64_t out_features, const at::Tensor& like) {
   check_int4(tiles, scale, min, group_size, out_features, "int4_dequantize");
   const int64_t N = out_features, K = tiles.size(1), G = group_size, groups = (K + G - 1) / G;
   const uint8_t* wp = tiles.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *mp = min.data_ptr<float>();
-  return dequantize_tiles(N, K, tiles.size(0), like, "int4_dequantize", [&](int64_t t, int r, auto* o) {
-    using T = std::remove_pointer_t<decltype(o)>;
-    const int byte = r % kNibbleBytes, shift = r < kNibbleBytes ? 0 : 4;
-    const uint8_t* w = wp + t * K * kNibbleBytes + byte;
-    const float *s = sp + t * groups * kTileN + r, *mn = mp + t * groups * kTileN + r;
-    for (int64_t k = 0; k < K; ++k) {
-      const float q = static_cast<float>((w[k * kNibbleBytes] >> shift) & 0xF);
-      o[k] = static_cast<T>(q * s[k / G * kTileN] + mn[k / G * kTileN]);
+  return dequantize_transposed(N, K, tiles.size(0), like, "int4_dequantize", [&](int64_t t, int64_t k, auto* o) {
+    const uint8_t* w = wp + (t * K + k) * kNibbleBytes;
+    const float *s = sp + (t * groups + k / G) * kTileN, *mn = mp + (t * groups + k / G) * kTileN;
+#if TOKENMILL_SIMD
+    for (int h = 0; h < kNibbleBytes / W; ++h) {  // W bytes: rows h * W.. (low nibbles) and 16 + h * W.. (high)
+      Vec lo, hi;
+      tokenmill_cpu::load_nibbles(w + h * W, lo, hi);
+      store(o + h * W, lo * Vec::load(s + h * W) + Vec::load(mn + h * W));
+      store(o + kNibbleBytes + h * W, hi * Vec::load(s + kNibbleBytes + h * W) + Vec::load(mn + kNibbleBytes + h * W));
     }
+#else
+    for (int r = 0; r < kTileN; ++r) {
+      const float q = static_cast<float>((w[r % kNibbleBytes] >> (r < kNibbleBytes ? 0 : 4)) & 0xF);
+      o[r] = static_cast<std::remove_pointer_t<decltype(o)>>(q * s[r] + mn[r]);
+    }
+#endif
   });
 }
 
