@@ -37,11 +37,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant_rows.h"
 #include "vec.h"
 
 namespace {
 
+using tokenmill_cpu::bias_as_float;
 using tokenmill_cpu::dispatch_float_types;
+using tokenmill_cpu::rows_as_float;
 
 constexpr int kTileN = 32;  // output rows per tile
 
@@ -257,27 +260,6 @@ void check_int4(const at::Tensor& tiles, const at::Tensor& scale, const at::Tens
   for (const at::Tensor* t : {&scale, &min})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == at::IntArrayRef({tiles.size(0), groups, kTileN}), op,
                 ": scale and min must be int4_pack's [tiles, ", groups, " groups, ", kTileN, "]");
-}
-
-std::vector<float> bias_as_float(const std::optional<at::Tensor>& bias, int64_t N, const char* op) {
-  std::vector<float> out(N, 0.f);
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must be [out_features]");
-    const at::Tensor b = bias->to(at::kFloat).contiguous();
-    std::copy(b.data_ptr<float>(), b.data_ptr<float>() + N, out.begin());
-  }
-  return out;
-}
-
-// x [M, K] once per call as float32 rows (plain loops: at decode sizes ATen's conversion costs more in
-// dispatch than the copy).
-template <typename T>
-std::vector<float> rows_as_float(const at::Tensor& x) {
-  const at::Tensor xc = x.contiguous();
-  const T* xp = xc.data_ptr<T>();
-  std::vector<float> xf(x.numel());
-  for (int64_t i = 0; i < x.numel(); ++i) xf[i] = static_cast<float>(xp[i]);
-  return xf;
 }
 
 // y [M, N] in T: y[m, n] = out[m, n] * (scale ? scale[n] : 1) + bias[n], rounded once, with

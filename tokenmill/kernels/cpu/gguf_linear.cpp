@@ -317,7 +317,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, i
       const std::vector<float> xf = rows_as_float<T>(x);
       y = linear_rows<T>(x, xf, w.size(0), bias, [&](int64_t n, int64_t, int rows, const float* xr, float* out) {
         with_row_count(rows, [&](auto mt) { block_dot<B, decltype(mt)::value>(wp + n * row_bytes, xr, K, out); });
-      });
+      }, "gguf_linear");
     });
   });
   return y;

@@ -1,6 +1,6 @@
-// What the GGUF linear kernels (gguf_linear.cpp) share: x widened to
-// float32 once per call, and the loop over output channels that runs a weight row's dot product
-// against all rows of x, a few at a time, split over threads.
+// What the linear kernels for a decode step's rows (gguf_linear.cpp, decode_linear.cpp) share: x and
+// the bias widened to float32 once per call, and (GGUF's) the loop over output channels that runs a
+// weight row's dot product against all rows of x, a few at a time, split over threads.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -39,20 +39,26 @@ std::vector<float> rows_as_float(const at::Tensor& x) {
   return out;
 }
 
+// The bias [N] as float32, zeros without one; op names the caller in the error.
+inline std::vector<float> bias_as_float(const std::optional<at::Tensor>& bias, int64_t N, const char* op) {
+  std::vector<float> out(N, 0.f);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must be [out_features]");
+    const at::Tensor b = bias->to(at::kFloat).contiguous();
+    std::copy(b.data_ptr<float>(), b.data_ptr<float>() + N, out.begin());
+  }
+  return out;
+}
+
 // y[m, n] = row_dot(x rows m.., weight row n) + bias[n], rounded once to T. The work is split over
 // output channels; each task runs all rows of x, four at a time.
 template <typename T, typename RowDot>
 at::Tensor linear_rows(const at::Tensor& x, const std::vector<float>& xf, int64_t N, const std::optional<at::Tensor>& bias,
-                       RowDot&& row_dot) {
+                       RowDot&& row_dot, const char* op) {
   const int64_t M = x.size(0), K = x.size(1);
   const float* xp = xf.data();
-  std::vector<float> biasf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [out_features]");
-    const at::Tensor b = bias->to(at::kFloat).contiguous();
-    biasf.assign(b.data_ptr<float>(), b.data_ptr<float>() + N);
-  }
-  const float* bp = biasf.empty() ? nullptr : biasf.data();
+  const std::vector<float> biasf = bias_as_float(bias, N, op);
+  const float* bp = biasf.data();
   at::Tensor y = at::empty({M, N}, x.options());
   T* yp = y.data_ptr<T>();
   // A task of at least ~64 KB of weights, so a decode step's small layers are not cut into crumbs.
@@ -63,7 +69,7 @@ at::Tensor linear_rows(const at::Tensor& x, const std::vector<float>& xf, int64_
       for (int64_t m = 0; m < M; m += kRowsPerPass) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, M - m));
         row_dot(n, m, rows, xp + m * K, sums);
-        for (int i = 0; i < rows; ++i) yp[(m + i) * N + n] = static_cast<T>(sums[i] + (bp ? bp[n] : 0.f));
+        for (int i = 0; i < rows; ++i) yp[(m + i) * N + n] = static_cast<T>(sums[i] + bp[n]);
       }
     }
   });
