@@ -139,18 +139,31 @@ inline void tile_dot_paired(const uint32_t* x_pairs, int64_t pairs, const c10::B
 }
 #endif
 
-// int4 weights (decode_linear's int4 layout, see int4_pack): per tile and input feature k, 16 bytes,
-// byte r holding row r's 4-bit value in its low nibble and row r + 16's in its high one; a scale and
-// a min per row and group of G input features ([tiles, groups, kTileN] float32 each): W = q * scale +
-// min. Sums of q * x accumulate per group, then take the group's scale; the mins multiply each
-// row of x's sum over the group (x_sums [MT, groups]).
+// int4 weights (int4_pack's layout): per tile and quad of input features (k = 4j .. 4j + 3), 64
+// bytes read as 16 little-endian uint32 lanes, lane r holding the 8 values of rows r and r + 16 at
+// those features: row r + 16 h, feature 4j + c in the 4 bits at int4_shift(c, h). A scale and a min
+// per row and group of G input features ([tiles, groups, kTileN] float32 each): W = q * scale + min.
+// Sums of q * x accumulate per group, then take the group's scale; the mins multiply each row of
+// x's sum over the group (x_sums [MT, groups]).
+//
+// Why this order: read as 32 16-bit lanes instead, lane 2r + (c & 1) holds rows r and r + 16 at
+// features c and c + 2 of the quad, a nibble each, so `(lane >> s) & 0xF | 0x4300` (one shift and
+// one ternary logic op) is, as bf16, 128 + q exactly for 16 rows and a pair of features: the operand
+// vdpbf16ps wants beside a broadcast pair of x (int4_tile_dot_paired). Four of those per 64 bytes,
+// where widening to float32 (int4_tile_dot) takes a shift, a mask and a conversion per 16 weights
+// and a multiply-add each. The 128 comes off once per group: sum x (128 + q) - 128 sum x.
+constexpr int kQuad = 4;          // input features per quad
+constexpr int kQuadBytes = 64;    // bytes per tile and quad
+constexpr int kHalfRows = kTileN / 2;
+constexpr int int4_shift(int c, int h) { return 16 * (c & 1) + 8 * (c >> 1) + 4 * h; }
+
 #if TOKENMILL_SIMD
 // Rows of x per int4 pass: two sets of accumulators (the group's and the total) must fit too.
 constexpr int kMaxRowsInt4 = Vec::kRegisters >= 32 ? 4 : 1;
+constexpr int kLaneVecs = kHalfRows / W;  // uint32 loads per quad: 1 with AVX-512, 2 with AVX2
 #else
 constexpr int kMaxRowsInt4 = 4;
 #endif
-constexpr int kNibbleBytes = kTileN / 2;  // bytes per tile and input feature
 
 template <int MT>
 inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* tile, const float* scale, const float* min,
@@ -162,15 +175,16 @@ inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* t
   for (int64_t g = 0; g < groups; ++g) {
     Vec part[MT][kVecs];
     zero_rows<MT>(part);
-    for (int64_t k = g * G; k < std::min(K, (g + 1) * G); ++k) {
-      Vec xb[MT];
-      for (int i = 0; i < MT; ++i) xb[i] = Vec::set1(x[i * K + k]);
-      for (int h = 0; h < kNibbleBytes / W; ++h) {  // W bytes: rows h * W.. (low nibbles) and 16 + h * W.. (high)
-        Vec lo, hi;
-        tokenmill_cpu::load_nibbles(tile + k * kNibbleBytes + h * W, lo, hi);
-        for (int i = 0; i < MT; ++i) {
-          part[i][h] = fmadd(lo, xb[i], part[i][h]);
-          part[i][h + kNibbleBytes / W] = fmadd(hi, xb[i], part[i][h + kNibbleBytes / W]);
+    for (int64_t j = g * G / kQuad; j < std::min(K, (g + 1) * G) / kQuad; ++j) {
+      for (int d = 0; d < kLaneVecs; ++d) {  // lanes d * W..: rows d * W.. and 16 + d * W..
+        const tokenmill_cpu::IVec lanes = tokenmill_cpu::load_u32(tile + j * kQuadBytes + d * W * 4);
+        for (int c = 0; c < kQuad; ++c) {
+          const Vec lo = tokenmill_cpu::nibble_lanes(lanes, int4_shift(c, 0)), hi = tokenmill_cpu::nibble_lanes(lanes, int4_shift(c, 1));
+          for (int i = 0; i < MT; ++i) {
+            const Vec xb = Vec::set1(x[i * K + j * kQuad + c]);
+            part[i][d] = fmadd(lo, xb, part[i][d]);
+            part[i][d + kLaneVecs] = fmadd(hi, xb, part[i][d + kLaneVecs]);
+          }
         }
       }
     }
@@ -184,16 +198,66 @@ inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* t
   std::fill(out, out + MT * kTileN, 0.f);
   for (int64_t g = 0; g < groups; ++g)
     for (int r = 0; r < kTileN; ++r) {
-      const int byte = r % kNibbleBytes, shift = r < kNibbleBytes ? 0 : 4;
+      const int lane = r % kHalfRows, h = r / kHalfRows;
       for (int i = 0; i < MT; ++i) {
         float part = 0.f;
-        for (int64_t k = g * G; k < std::min(K, (g + 1) * G); ++k)
-          part += static_cast<float>((tile[k * kNibbleBytes + byte] >> shift) & 0xF) * x[i * K + k];
+        for (int64_t k = g * G; k < std::min(K, (g + 1) * G); ++k) {
+          uint32_t bits;
+          std::memcpy(&bits, tile + (k / kQuad) * kQuadBytes + lane * 4, 4);
+          part += static_cast<float>((bits >> int4_shift(static_cast<int>(k % kQuad), h)) & 0xF) * x[i * K + k];
+        }
         out[i * kTileN + r] += part * scale[g * kTileN + r] + min[g * kTileN + r] * x_sums[i * groups + g];
       }
     }
 #endif
 }
+
+#if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
+// The same for bf16 x, MT rows as bf16 pairs (K / 2 per row), with vdpbf16ps (see the top of this
+// section). Each row keeps four sets of partial sums (rows 0..15 and 16..31, each for the quad's
+// first and second pair of features), so consecutive vdpbf16ps do not wait on each other.
+template <int MT>
+inline void int4_tile_dot_paired(const uint32_t* x_pairs, int64_t K, int64_t G, const uint8_t* tile, const float* scale, const float* min,
+                                 const float* x_sums, float* out) {
+  const int64_t groups = (K + G - 1) / G, pairs = K / 2;
+  const __m512i low4 = _mm512_set1_epi16(0xF), bf16_128 = _mm512_set1_epi16(0x4300);
+  const __m512 k128 = _mm512_set1_ps(128.f);
+  constexpr int kOr = 0xEA;  // ternary logic: (a & b) | c
+  __m512 acc[MT][2];
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[MT][4];
+    for (int i = 0; i < MT; ++i)
+      for (int p = 0; p < 4; ++p) part[i][p] = _mm512_setzero_ps();
+    for (int64_t j = g * G / kQuad; j < std::min(K, (g + 1) * G) / kQuad; ++j) {
+      const __m512i v = _mm512_loadu_si512(tile + j * kQuadBytes);
+      const __m512bh w[4] = {
+          (__m512bh)_mm512_ternarylogic_epi32(v, low4, bf16_128, kOr),                         // rows 0..15, first pair
+          (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low4, bf16_128, kOr),   // rows 16..31, first pair
+          (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), low4, bf16_128, kOr),   // rows 0..15, second pair
+          (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 12), bf16_128)};                      // rows 16..31, second pair
+      for (int i = 0; i < MT; ++i) {
+        const __m512bh first = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[i * pairs + 2 * j]));
+        const __m512bh second = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[i * pairs + 2 * j + 1]));
+        part[i][0] = _mm512_dpbf16_ps(part[i][0], w[0], first);
+        part[i][1] = _mm512_dpbf16_ps(part[i][1], w[1], first);
+        part[i][2] = _mm512_dpbf16_ps(part[i][2], w[2], second);
+        part[i][3] = _mm512_dpbf16_ps(part[i][3], w[3], second);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 s = _mm512_loadu_ps(scale + g * kTileN + h * kHalfRows), mn = _mm512_loadu_ps(min + g * kTileN + h * kHalfRows);
+      for (int i = 0; i < MT; ++i) {
+        const __m512 xs = _mm512_set1_ps(x_sums[i * groups + g]);
+        const __m512 qx = _mm512_fnmadd_ps(k128, xs, _mm512_add_ps(part[i][h], part[i][h + 2]));  // sum q x
+        acc[i][h] = _mm512_fmadd_ps(mn, xs, _mm512_fmadd_ps(qx, s, acc[i][h]));
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(out + i * kTileN + h * kHalfRows, acc[i][h]);
+}
+#endif
 
 // f(integral_constant<MT>) for the rows of x in one pass (MT <= kMaxRows; rows <= kMaxRowsInt4 for int4).
 template <typename F>
@@ -235,28 +299,34 @@ at::Tensor int8_pack(const at::Tensor& q) {
 
 // int4_linear's layout (see int4_tile_dot) of quant_utils' int4: packed [N, K / 2] bytes (in each block
 // of 32 weights, byte j holds weight j and weight j + 16), scale and min [N, groups]. Returns the
-// tiles [ceil(N / kTileN), K, kTileN / 2] and the scales and mins [tiles, groups, kTileN] (padded
-// rows: zeros).
+// tiles [ceil(N / kTileN), K / kQuad, kQuadBytes] and the scales and mins [tiles, groups, kTileN]
+// (padded rows: zeros).
 std::vector<at::Tensor> int4_pack(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min) {
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.size(1) % 16 == 0,
               "int4_pack: packed must be uint8 [out_features, in_features / 2] in blocks of 16 bytes");
   const int64_t N = packed.size(0), K = 2 * packed.size(1), tiles = (N + kTileN - 1) / kTileN;
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && min.sizes() == scale.sizes(), "int4_pack: scale and min must be [out_features, groups]");
   const at::Tensor blocks = packed.contiguous().view({N, K / 32, 1, 16});
-  const at::Tensor q = at::cat({blocks.bitwise_and(0xF), blocks.bitwise_right_shift(4)}, 2).view({N, K});
-  const at::Tensor rows = at::constant_pad_nd(q, {0, 0, 0, tiles * kTileN - N}).view({tiles, kTileN, K});
-  const at::Tensor bytes = rows.slice(1, 0, kNibbleBytes).bitwise_or(rows.slice(1, kNibbleBytes, kTileN).bitwise_left_shift(4));
+  const at::Tensor q = at::cat({blocks.bitwise_and(0xF), blocks.bitwise_right_shift(4)}, 2).view({N, K}).to(at::kLong);
+  // [tiles, h, r, quad, c >> 1, c & 1] -> [tiles, quad, r, h, c >> 1, c & 1], each value shifted to
+  // int4_shift(c, h) and summed into its lane (as int64, then its low 32 bits).
+  const at::Tensor rows = at::constant_pad_nd(q, {0, 0, 0, tiles * kTileN - N}).view({tiles, 2, kHalfRows, K / kQuad, 2, 2});
+  std::vector<int64_t> shift_values;
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < kQuad; ++c) shift_values.push_back(int4_shift(c, h));
+  const at::Tensor shifts = at::tensor(shift_values, at::kLong).view({2, 2, 2});
+  const at::Tensor lanes = rows.permute({0, 3, 2, 1, 4, 5}).bitwise_left_shift(shifts).sum({3, 4, 5}).to(at::kInt);
   auto by_tile = [&](const at::Tensor& t) {
     return at::constant_pad_nd(t.to(at::kFloat), {0, 0, 0, tiles * kTileN - N}).view({tiles, kTileN, t.size(1)}).transpose(1, 2).contiguous();
   };
-  return {bytes.transpose(1, 2).contiguous(), by_tile(scale), by_tile(min)};
+  return {lanes.contiguous().view(at::kByte).view({tiles, K / kQuad, kQuadBytes}), by_tile(scale), by_tile(min)};
 }
 
 void check_int4(const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& min, int64_t G, int64_t N, const char* op) {
-  TORCH_CHECK(G > 0, op, ": group size must be positive");
+  TORCH_CHECK(G > 0 && G % kQuad == 0, op, ": group size must be a positive multiple of ", kQuad);
   TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.size(0) == (N + kTileN - 1) / kTileN &&
-                  tiles.size(2) == kNibbleBytes, op, ": the weight must be int4_pack's layout of ", N, " output rows");
-  const int64_t groups = (tiles.size(1) + G - 1) / G;
+                  tiles.size(2) == kQuadBytes, op, ": the weight must be int4_pack's layout of ", N, " output rows");
+  const int64_t groups = (kQuad * tiles.size(1) + G - 1) / G;
   for (const at::Tensor* t : {&scale, &min})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == at::IntArrayRef({tiles.size(0), groups, kTileN}), op,
                 ": scale and min must be int4_pack's [tiles, ", groups, " groups, ", kTileN, "]");
@@ -363,23 +433,37 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiles, const at::T
   TORCH_CHECK(x.dim() == 2, "int4_linear: x must be [rows, in_features]");
   check_int4(tiles, scale, min, group_size, out_features, "int4_linear");
   const int64_t M = x.size(0), K = x.size(1), G = group_size, groups = (K + G - 1) / G;
-  TORCH_CHECK(tiles.size(1) == K, "int4_linear: x has ", K, " features, the weight ", tiles.size(1));
+  TORCH_CHECK(kQuad * tiles.size(1) == K, "int4_linear: x has ", K, " features, the weight ", kQuad * tiles.size(1));
   const std::vector<float> b = bias_as_float(bias, out_features, "int4_linear");
   const uint8_t* wp = tiles.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *mp = min.data_ptr<float>();
+  const int64_t tile_bytes = K / kQuad * kQuadBytes;
+  const at::Tensor xc = x.contiguous();
   at::Tensor y;
   dispatch_float_types(x.scalar_type(), "int4_linear", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const std::vector<float> xf = rows_as_float<T>(x);
+    const std::vector<float> xf = rows_as_float<T>(xc);
     std::vector<float> x_sums(M * groups, 0.f);  // each row's sum over each group: the mins' terms
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) x_sums[m * groups + k / G] += xf[m * K + k];
-    y = run_tiles<T>(x, out_features, K * kNibbleBytes, kMaxRowsInt4, nullptr, b, [&](int64_t t, int64_t m, int rows, float* out) {
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t k = g * G; k < std::min(K, (g + 1) * G); ++k) x_sums[m * groups + g] += xf[m * K + k];
+    auto tile_rows = [&](int64_t t, int64_t m, int rows, float* out) {
       with_rows(rows, [&](auto mt) {
-        int4_tile_dot<decltype(mt)::value>(xf.data() + m * K, K, G, wp + t * K * kNibbleBytes, sp + t * groups * kTileN,
-                                           mp + t * groups * kTileN, x_sums.data() + m * groups, out);
+        constexpr int MT = decltype(mt)::value;
+#if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          // x's bf16 values, read by pairs of features (K is a multiple of 32).
+          const auto* x_pairs = reinterpret_cast<const uint32_t*>(xc.data_ptr<T>()) + m * (K / 2);
+          int4_tile_dot_paired<MT>(x_pairs, K, G, wp + t * tile_bytes, sp + t * groups * kTileN, mp + t * groups * kTileN,
+                                   x_sums.data() + m * groups, out);
+          return;
+        }
+#endif
+        int4_tile_dot<MT>(xf.data() + m * K, K, G, wp + t * tile_bytes, sp + t * groups * kTileN, mp + t * groups * kTileN,
+                          x_sums.data() + m * groups, out);
       });
-    });
+    };
+    y = run_tiles<T>(xc, out_features, tile_bytes, kMaxRowsInt4, nullptr, b, tile_rows);
   });
   return y;
 }
@@ -437,22 +521,26 @@ at::Tensor int8_dequantize(const at::Tensor& tiles, const at::Tensor& scale, int
 at::Tensor int4_dequantize(const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& min, int64_t group_size,
                            int64_t out_features, const at::Tensor& like) {
   check_int4(tiles, scale, min, group_size, out_features, "int4_dequantize");
-  const int64_t N = out_features, K = tiles.size(1), G = group_size, groups = (K + G - 1) / G;
+  const int64_t N = out_features, K = kQuad * tiles.size(1), G = group_size, groups = (K + G - 1) / G;
   const uint8_t* wp = tiles.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *mp = min.data_ptr<float>();
   return dequantize_transposed(N, K, tiles.size(0), like, "int4_dequantize", [&](int64_t t, int64_t k, auto* o) {
-    const uint8_t* w = wp + (t * K + k) * kNibbleBytes;
+    const uint8_t* quad = wp + (t * K + k) / kQuad * kQuadBytes;
+    const int c = static_cast<int>(k % kQuad);
     const float *s = sp + (t * groups + k / G) * kTileN, *mn = mp + (t * groups + k / G) * kTileN;
 #if TOKENMILL_SIMD
-    for (int h = 0; h < kNibbleBytes / W; ++h) {  // W bytes: rows h * W.. (low nibbles) and 16 + h * W.. (high)
-      Vec lo, hi;
-      tokenmill_cpu::load_nibbles(w + h * W, lo, hi);
-      store(o + h * W, lo * Vec::load(s + h * W) + Vec::load(mn + h * W));
-      store(o + kNibbleBytes + h * W, hi * Vec::load(s + kNibbleBytes + h * W) + Vec::load(mn + kNibbleBytes + h * W));
+    for (int d = 0; d < kLaneVecs; ++d) {  // lanes d * W..: rows d * W.. and 16 + d * W..
+      const tokenmill_cpu::IVec lanes = tokenmill_cpu::load_u32(quad + d * W * 4);
+      for (int h = 0; h < 2; ++h) {
+        const int r = h * kHalfRows + d * W;
+        store(o + r, tokenmill_cpu::nibble_lanes(lanes, int4_shift(c, h)) * Vec::load(s + r) + Vec::load(mn + r));
+      }
     }
 #else
     for (int r = 0; r < kTileN; ++r) {
-      const float q = static_cast<float>((w[r % kNibbleBytes] >> (r < kNibbleBytes ? 0 : 4)) & 0xF);
+      uint32_t bits;
+      std::memcpy(&bits, quad + (r % kHalfRows) * 4, 4);
+      const float q = static_cast<float>((bits >> int4_shift(c, r / kHalfRows)) & 0xF);
       o[r] = static_cast<std::remove_pointer_t<decltype(o)>>(q * s[r] + mn[r]);
     }
 #endif

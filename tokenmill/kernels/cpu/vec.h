@@ -97,7 +97,7 @@ inline const char* vector_isa() {
 struct Mask {
   __mmask16 m;
 };
-struct IVec {  // 16 int32 lanes (argmax indices)
+struct IVec {  // 16 int32 lanes (argmax indices, packed int4 weights)
   __m512i v;
   static IVec iota() { return {_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)}; }
   static IVec set1(int32_t x) { return {_mm512_set1_epi32(x)}; }
@@ -156,8 +156,9 @@ inline Vec round_trip(Vec x, const c10::Half*) {
   return {_mm512_cvtph_ps(_mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))};
 }
 
-// Weight-only quantized rows (decode_linear.cpp): W int8 values widened to float32 lanes, and the
-// low and high nibbles of W bytes as two float32 vectors (values 0..15).
+// Weight-only quantized rows (decode_linear.cpp, gguf_linear.cpp): W int8 values widened to float32
+// lanes; the low and high nibbles of W bytes as two float32 vectors (values 0..15); W little-endian
+// uint32 lanes (int4 values, 8 per lane), and one 4-bit field of each as float32.
 inline Vec load_int8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
@@ -165,6 +166,10 @@ inline void load_nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   lo = {_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)))};
   hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4))};
+}
+inline IVec load_u32(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline Vec nibble_lanes(IVec v, int shift) {
+  return {_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v.v, shift), _mm512_set1_epi32(0xF)))};
 }
 // W bytes' bits [shift, shift + width) as float32 lanes ((p[i] >> shift) & mask): the high bits of
 // GGUF's 5- and 6-bit quants (gguf_linear.cpp).
@@ -204,7 +209,7 @@ inline void stream_fence() { _mm_sfence(); }
 struct Mask {
   __m256 m;  // all ones in the lanes where it holds
 };
-struct IVec {  // 8 int32 lanes (argmax indices)
+struct IVec {  // 8 int32 lanes (argmax indices, packed int4 weights)
   __m256i v;
   static IVec iota() { return {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)}; }
   static IVec set1(int32_t x) { return {_mm256_set1_epi32(x)}; }
@@ -277,6 +282,10 @@ inline void load_nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
   const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   lo = {_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)))};
   hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4))};
+}
+inline IVec load_u32(const uint8_t* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
+inline Vec nibble_lanes(IVec v, int shift) {
+  return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.v, shift), _mm256_set1_epi32(0xF)))};
 }
 inline Vec load_u8_bits(const uint8_t* p, int shift, int mask) {
   const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
