@@ -258,14 +258,15 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return generated
 
 
-def assert_engine_computes(quantized, reference, atol: float = 2e-4) -> None:
+def assert_engine_computes(quantized, reference, atol: float = 2e-4, prompt_len: int = 72) -> None:
     """A quantized engine gives its fake-quantized float reference's logits (within atol) through the
-    decode kernels (chunks of 1 and 3 rows) and the prompt path (64), and its greedy tokens."""
+    decode kernels (chunks of 1 and 3 rows), a prompt chunk the weight-only kernels take too (40)
+    and the prompt path (72 rows: above weight_only.KERNEL_MAX_ROWS), and its greedy tokens."""
     from tokenmill import SamplingParams
 
-    prompt = random_prompts([40], seed=5)[0]
-    want = tokenmill_logits(reference, prompt, chunk=64)
-    for chunk in (1, 3, 64):
+    prompt = random_prompts([prompt_len], seed=5)[0]
+    want = tokenmill_logits(reference, prompt, chunk=prompt_len)
+    for chunk in sorted({1, 3, min(40, prompt_len), prompt_len}):
         torch.testing.assert_close(tokenmill_logits(quantized, prompt, chunk=chunk), want, atol=atol, rtol=atol)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17, 30], seed=6)]

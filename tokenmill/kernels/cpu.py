@@ -494,6 +494,12 @@ def w8a8_isa() -> str:
     return torch.ops.tokenmill_cpu.w8a8_isa()
 
 
+@functools.cache  # a fact of the loaded build
+def bf16_pairs() -> bool:
+    """Whether bf16 activations multiply by pairs with vdpbf16ps in the decode kernels (AVX512-BF16; see decode_linear.cpp)."""
+    return bool(torch.ops.tokenmill_cpu.bf16_pairs())
+
+
 def vector_isa() -> str:
     """The vector code the loaded kernels run: "avx512", "avx2" or "scalar" (see cpu/vec.h)."""
     return torch.ops.tokenmill_cpu.vector_isa()

@@ -4,9 +4,13 @@ A fresh page costs a fault and a zeroing on first touch, a few GB/s at best; a 2
 chunk wrote its K/V at 0.5 GB/s into never-touched cache pages, and every intermediate tensor over
 glibc's mmap threshold was mapped, faulted in and unmapped again on every layer.
 
-- tune_malloc: serve allocations up to 32 MB (glibc's maximum threshold) from the heap and never
-  trim it, so freed activation buffers are reused warm (vLLM's CPU backend asks for tcmalloc for the
-  same reason; this needs no preload).
+- tune_malloc: serve allocations up to 256 MB from the heap and never trim it, so freed activation
+  buffers are reused warm (vLLM's CPU backend asks for tcmalloc for the same reason; this needs no
+  preload). 256 MB holds a 7B model's dequantized gate-up (a quantized layer's prompt path): at
+  glibc's documented maximum of 32 MB, a 1B Llama's 67 MB one was mapped and faulted in on every
+  layer of every prompt chunk (dequantized at 1.5 G weights/s instead of 8.6). glibc 2.36 takes
+  the larger value on the main arena (the engine's forward runs on the main thread, also in
+  `serve`); one that refuses it gets 32 MB. Larger buffers (the KV cache) stay mapped lazily.
 - zeros_huge_page_aligned: the KV cache starts on a 2 MB boundary (calloc's 16-byte offset made
   every 128-byte K/V row straddle three cache lines) and lies in transparent huge pages (where THP
   is in "madvise" mode), so its first touch faults once per 2 MB instead of once per 4 KB.
@@ -44,7 +48,7 @@ def tune_malloc() -> None:
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 40)
+    ok = (libc.mallopt(_M_MMAP_THRESHOLD, 256 << 20) or libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 40)
     if not ok:
         logger.debug("mallopt refused the CPU allocator settings")
 

@@ -547,9 +547,14 @@ at::Tensor int4_dequantize(const at::Tensor& tiles, const at::Tensor& scale, con
   });
 }
 
+// Whether bf16 activations multiply by pairs with vdpbf16ps here (dense_linear's paired layout,
+// int4_tile_dot_paired): the AVX-512 build on a CPU with AVX512-BF16.
+bool bf16_pairs() { return kPairedBf16; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("bf16_pairs() -> bool", &bf16_pairs);
   m.def("dense_pack(Tensor w) -> Tensor");
   m.def("dense_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("int8_pack(Tensor q) -> Tensor");

@@ -34,13 +34,26 @@ from tokenmill.layers.quantization.unquantized import UnquantizedEmbeddingMethod
 
 logger = logging.getLogger(__name__)
 
-# Rows up to which the kernels beat dequantize + float GEMM (benchmarks/quant_linear.py measures
-# the crossing: the kernels win up to 8 rows on AVX-512 (Zen 4); at 16 the float GEMM does).
-KERNEL_MAX_ROWS = 8
+# Rows up to which the kernels run (a prompt chunk beyond it dequantizes the layer, then runs the float
+# GEMM). benchmarks/quant_linear.py measures the crossing per layer (Zen 5, SmolLM2's shapes, whose
+# dequantized weights stay in cache): at 64 rows bf16 int8 ties (585 against 576 us on gate-up) and
+# int4 wins (294-326 against 564), AVX2 float32 int8 wins (608 against 912 us on down) and int4
+# loses by a fifth (1,116 against 912); a larger model's dequantized weight goes to memory and back,
+# which moves the crossing up (a 1B Llama's 32-token prompt: ~0.4 s of dequantize for 0.15 s of GEMM).
+KERNEL_MAX_ROWS = 64
 
 
-def _use_kernels(x: torch.Tensor) -> bool:
-    return x.shape[0] <= KERNEL_MAX_ROWS and cpu_kernels.use_cpu_kernels(x)
+def _use_kernels(x: torch.Tensor, max_rows: int = KERNEL_MAX_ROWS) -> bool:
+    return x.shape[0] <= max_rows and cpu_kernels.use_cpu_kernels(x)
+
+
+def _int4_max_rows(x: torch.Tensor) -> int:
+    """int4's kernel rows: every row count for bf16 activations multiplied by pairs (vdpbf16ps, AVX512-BF16),
+    whose kernel keeps up with the prepacked bf16 GEMM (Zen 5, a 1B Llama's 256-token prompt: 648 ms
+    against 577 unquantized and 1,222 through dequantize + GEMM); elsewhere KERNEL_MAX_ROWS."""
+    if x.dtype == torch.bfloat16 and cpu_kernels.cpu_kernels_available() and cpu_kernels.bf16_pairs():
+        return x.shape[0]
+    return KERNEL_MAX_ROWS
 
 
 def _store_int8(layer: nn.Module) -> None:
@@ -72,11 +85,11 @@ def store_int4(layer: nn.Module, packed: torch.Tensor, scale: torch.Tensor, mini
 
 
 def quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel: Callable[[torch.Tensor], torch.Tensor],
-                      dequantized: Callable[[torch.dtype, bool], torch.Tensor]) -> torch.Tensor:
-    """kernel(rows) for a decode step's few rows; otherwise the float GEMM on the weight
-    dequantized to x's dtype (dequantized(dtype, by the C++ kernels or in PyTorch))."""
+                      dequantized: Callable[[torch.dtype, bool], torch.Tensor], max_rows: int = KERNEL_MAX_ROWS) -> torch.Tensor:
+    """kernel(rows) for up to max_rows rows; otherwise the float GEMM on the weight dequantized to
+    x's dtype (dequantized(dtype, by the C++ kernels or in PyTorch))."""
     flat = as_rows(x)
-    if _use_kernels(flat):
+    if _use_kernels(flat, max_rows):
         y = kernel(flat)
     else:
         y = F.linear(flat, dequantized(x.dtype, cpu_kernels.use_cpu_kernels(flat)), bias)
@@ -150,7 +163,7 @@ class Int4LinearMethod(LinearMethodBase):
             return quant_utils.dequantize_int4(*quantized).to(dtype)
 
         return quantized_linear(x, bias, lambda rows: cpu_kernels.int4_linear(rows, *quantized, layer.out_features, bias),
-                                dequantized)
+                                dequantized, _int4_max_rows(x))
 
 
 class Int8LMHeadMethod(UnquantizedEmbeddingMethod):
