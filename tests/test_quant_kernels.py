@@ -59,14 +59,17 @@ def test_int8_linear_matches_reference(shape, rows, dtype):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("group_size,symmetric", [(32, False), (64, True), (128, False)])
 @pytest.mark.parametrize("shape", [(96, 64), (43, 576), (576, 1536)], ids=str)  # 43: a part tile; 576 = 4.5 groups of 128: a short last group
-def test_int4_linear_matches_reference(shape, group_size, symmetric, rows, dtype):
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16], ids=str)  # the scales and mins int4_pack keeps
+def test_int4_linear_matches_reference(shape, scale_dtype, group_size, symmetric, rows, dtype):
     n, k = shape
     gen = torch.Generator().manual_seed(n + k + rows + group_size)
     packed, scale, minimum = Q.quantize_int4(torch.randn(n, k, generator=gen), group_size, symmetric)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     want = Q.int4_linear_reference(x, packed, scale, minimum, group_size, bias)
-    _close(cpu.int4_linear(x, *cpu.int4_pack(packed, scale, minimum), group_size, n, bias), want)
+    tiles = cpu.int4_pack(packed, scale.to(scale_dtype), minimum.to(scale_dtype))
+    assert tiles[1].dtype == tiles[2].dtype == scale_dtype
+    _close(cpu.int4_linear(x, *tiles, group_size, n, bias), want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -76,7 +79,9 @@ def test_dequantize_ops_match_reference(dtype):
     q, scale = Q.quantize_int8(w)
     assert torch.equal(cpu.int8_dequantize(cpu.int8_pack(q), scale, 83, dtype), Q.dequantize_int8(q, scale).to(dtype))
     packed, s, m = Q.quantize_int4(w, 128, False)
-    assert torch.equal(cpu.int4_dequantize(*cpu.int4_pack(packed, s, m), 128, 83, dtype), Q.dequantize_int4(packed, s, m, 128).to(dtype))
+    for scale_dtype in (torch.float32, torch.float16):  # quantize_int4's scales and mins are fp16 values: the same weights
+        tiles = cpu.int4_pack(packed, s.to(scale_dtype), m.to(scale_dtype))
+        assert torch.equal(cpu.int4_dequantize(*tiles, 128, 83, dtype), Q.dequantize_int4(packed, s, m, 128).to(dtype))
 
 
 def test_int4_packing_round_trips():
@@ -99,11 +104,11 @@ def test_int4_error_is_at_most_half_a_step(symmetric):
 
 
 def test_int4_asymmetric_keeps_weights_already_on_a_4bit_grid():
-    """A checkpoint already quantized to 4 bits per group of 32 (GGUF Q4_1) loses nothing more."""
+    """A checkpoint already quantized to 4 bits per group of 32 (GGUF Q4_1: fp16 scales and mins) loses nothing more."""
     gen = torch.Generator().manual_seed(2)
     levels = torch.randint(0, 16, (32, 128), generator=gen).float()
     levels[:, ::32], levels[:, 1::32] = 0.0, 15.0  # every group uses the whole range
-    scale, low = torch.rand(32, 4, generator=gen) + 0.1, torch.randn(32, 4, generator=gen)
+    scale, low = (torch.rand(32, 4, generator=gen) + 0.1).half().float(), torch.randn(32, 4, generator=gen).half().float()
     w = levels * scale.repeat_interleave(32, dim=1) + low.repeat_interleave(32, dim=1)
     packed, s, m = Q.quantize_int4(w, 32, symmetric=False)
     torch.testing.assert_close(Q.dequantize_int4(packed, s, m, 32), w, atol=1e-5, rtol=1e-5)

@@ -66,8 +66,10 @@ def test_quantized_weights_replace_the_float_ones(tiny_model_factory):
     assert linears
     for layer in linears:
         assert layer.weight.numel() == 0  # the float weight is freed after quantizing
-        # int4_pack's tiles of 32 output rows: 16 bytes per input feature (half a byte per weight)
+        # int4_pack's tiles of 32 output rows: 64 bytes per 4 input features (half a byte per weight),
+        # the scales and mins in fp16 (quantize_int4 rounds them to fp16 values)
         assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape == (-(-layer.output_size // 32), layer.input_size // 4, 64)
+        assert layer.weight_scale.dtype == layer.weight_min.dtype == torch.float16
     # Qwen2's tied LM head multiplies by an int8 copy; the input embedding keeps its float rows.
     head = model.lm_head
     assert head.qweight.dtype == torch.int8 and head.weight.numel() > 0

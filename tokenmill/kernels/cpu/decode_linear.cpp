@@ -142,7 +142,8 @@ inline void tile_dot_paired(const uint32_t* x_pairs, int64_t pairs, const c10::B
 // int4 weights (int4_pack's layout): per tile and quad of input features (k = 4j .. 4j + 3), 64
 // bytes read as 16 little-endian uint32 lanes, lane r holding the 8 values of rows r and r + 16 at
 // those features: row r + 16 h, feature 4j + c in the 4 bits at int4_shift(c, h). A scale and a min
-// per row and group of G input features ([tiles, groups, kTileN] float32 each): W = q * scale + min.
+// per row and group of G input features ([tiles, groups, kTileN] each, float32 or, where they are
+// exact in it, fp16: S): W = q * scale + min.
 // Sums of q * x accumulate per group, then take the group's scale; the mins multiply each row of
 // x's sum over the group (x_sums [MT, groups]).
 //
@@ -165,8 +166,8 @@ constexpr int kLaneVecs = kHalfRows / W;  // uint32 loads per quad: 1 with AVX-5
 constexpr int kMaxRowsInt4 = 4;
 #endif
 
-template <int MT>
-inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* tile, const float* scale, const float* min,
+template <int MT, typename S>
+inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* tile, const S* scale, const S* min,
                           const float* x_sums, float* out) {
   const int64_t groups = (K + G - 1) / G;
 #if TOKENMILL_SIMD
@@ -206,7 +207,7 @@ inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* t
           std::memcpy(&bits, tile + (k / kQuad) * kQuadBytes + lane * 4, 4);
           part += static_cast<float>((bits >> int4_shift(static_cast<int>(k % kQuad), h)) & 0xF) * x[i * K + k];
         }
-        out[i * kTileN + r] += part * scale[g * kTileN + r] + min[g * kTileN + r] * x_sums[i * groups + g];
+        out[i * kTileN + r] += part * static_cast<float>(scale[g * kTileN + r]) + static_cast<float>(min[g * kTileN + r]) * x_sums[i * groups + g];
       }
     }
 #endif
@@ -216,8 +217,8 @@ inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* t
 // The same for bf16 x, MT rows as bf16 pairs (K / 2 per row), with vdpbf16ps (see the top of this
 // section). Each row keeps four sets of partial sums (rows 0..15 and 16..31, each for the quad's
 // first and second pair of features), so consecutive vdpbf16ps do not wait on each other.
-template <int MT>
-inline void int4_tile_dot_paired(const uint32_t* x_pairs, int64_t K, int64_t G, const uint8_t* tile, const float* scale, const float* min,
+template <int MT, typename S>
+inline void int4_tile_dot_paired(const uint32_t* x_pairs, int64_t K, int64_t G, const uint8_t* tile, const S* scale, const S* min,
                                  const float* x_sums, float* out) {
   const int64_t groups = (K + G - 1) / G, pairs = K / 2;
   const __m512i low4 = _mm512_set1_epi16(0xF), bf16_128 = _mm512_set1_epi16(0x4300);
@@ -246,7 +247,7 @@ inline void int4_tile_dot_paired(const uint32_t* x_pairs, int64_t K, int64_t G, 
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m512 s = _mm512_loadu_ps(scale + g * kTileN + h * kHalfRows), mn = _mm512_loadu_ps(min + g * kTileN + h * kHalfRows);
+      const __m512 s = Vec::load(scale + g * kTileN + h * kHalfRows).v, mn = Vec::load(min + g * kTileN + h * kHalfRows).v;
       for (int i = 0; i < MT; ++i) {
         const __m512 xs = _mm512_set1_ps(x_sums[i * groups + g]);
         const __m512 qx = _mm512_fnmadd_ps(k128, xs, _mm512_add_ps(part[i][h], part[i][h + 2]));  // sum q x
@@ -298,9 +299,9 @@ at::Tensor int8_pack(const at::Tensor& q) {
 }
 
 // int4_linear's layout (see int4_tile_dot) of quant_utils' int4: packed [N, K / 2] bytes (in each block
-// of 32 weights, byte j holds weight j and weight j + 16), scale and min [N, groups]. Returns the
-// tiles [ceil(N / kTileN), K / kQuad, kQuadBytes] and the scales and mins [tiles, groups, kTileN]
-// (padded rows: zeros).
+// of 32 weights, byte j holds weight j and weight j + 16), scale and min [N, groups] (both fp16, or
+// else float32). Returns the tiles [ceil(N / kTileN), K / kQuad, kQuadBytes] and the scales and
+// mins [tiles, groups, kTileN] in their dtype (padded rows: zeros).
 std::vector<at::Tensor> int4_pack(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min) {
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.size(1) % 16 == 0,
               "int4_pack: packed must be uint8 [out_features, in_features / 2] in blocks of 16 bytes");
@@ -316,8 +317,9 @@ std::vector<at::Tensor> int4_pack(const at::Tensor& packed, const at::Tensor& sc
     for (int c = 0; c < kQuad; ++c) shift_values.push_back(int4_shift(c, h));
   const at::Tensor shifts = at::tensor(shift_values, at::kLong).view({2, 2, 2});
   const at::Tensor lanes = rows.permute({0, 3, 2, 1, 4, 5}).bitwise_left_shift(shifts).sum({3, 4, 5}).to(at::kInt);
+  const at::ScalarType scale_type = scale.scalar_type() == at::kHalf && min.scalar_type() == at::kHalf ? at::kHalf : at::kFloat;
   auto by_tile = [&](const at::Tensor& t) {
-    return at::constant_pad_nd(t.to(at::kFloat), {0, 0, 0, tiles * kTileN - N}).view({tiles, kTileN, t.size(1)}).transpose(1, 2).contiguous();
+    return at::constant_pad_nd(t.to(scale_type), {0, 0, 0, tiles * kTileN - N}).view({tiles, kTileN, t.size(1)}).transpose(1, 2).contiguous();
   };
   return {lanes.contiguous().view(at::kByte).view({tiles, K / kQuad, kQuadBytes}), by_tile(scale), by_tile(min)};
 }
@@ -328,8 +330,18 @@ void check_int4(const at::Tensor& tiles, const at::Tensor& scale, const at::Tens
                   tiles.size(2) == kQuadBytes, op, ": the weight must be int4_pack's layout of ", N, " output rows");
   const int64_t groups = (kQuad * tiles.size(1) + G - 1) / G;
   for (const at::Tensor* t : {&scale, &min})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == at::IntArrayRef({tiles.size(0), groups, kTileN}), op,
-                ": scale and min must be int4_pack's [tiles, ", groups, " groups, ", kTileN, "]");
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) && t->scalar_type() == scale.scalar_type() &&
+                    t->is_contiguous() && t->sizes() == at::IntArrayRef({tiles.size(0), groups, kTileN}),
+                op, ": scale and min must be int4_pack's [tiles, ", groups, " groups, ", kTileN, "], both float32 or both fp16");
+}
+
+// f(S*) for int4 scales and mins held as S (float or c10::Half, as check_int4 allows).
+template <typename F>
+void with_scale_type(const at::Tensor& scale, F&& f) {
+  if (scale.scalar_type() == at::kHalf)
+    f(static_cast<c10::Half*>(nullptr));
+  else
+    f(static_cast<float*>(nullptr));
 }
 
 // y [M, N] in T: y[m, n] = out[m, n] * (scale ? scale[n] : 1) + bias[n], rounded once, with
@@ -436,7 +448,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiles, const at::T
   TORCH_CHECK(kQuad * tiles.size(1) == K, "int4_linear: x has ", K, " features, the weight ", kQuad * tiles.size(1));
   const std::vector<float> b = bias_as_float(bias, out_features, "int4_linear");
   const uint8_t* wp = tiles.data_ptr<uint8_t>();
-  const float *sp = scale.data_ptr<float>(), *mp = min.data_ptr<float>();
   const int64_t tile_bytes = K / kQuad * kQuadBytes;
   const at::Tensor xc = x.contiguous();
   at::Tensor y;
@@ -447,23 +458,27 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiles, const at::T
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t k = g * G; k < std::min(K, (g + 1) * G); ++k) x_sums[m * groups + g] += xf[m * K + k];
-    auto tile_rows = [&](int64_t t, int64_t m, int rows, float* out) {
-      with_rows(rows, [&](auto mt) {
-        constexpr int MT = decltype(mt)::value;
+    with_scale_type(scale, [&](auto* scale_tag) {
+      using S = std::remove_pointer_t<decltype(scale_tag)>;
+      const S *sp = scale.data_ptr<S>(), *mp = min.data_ptr<S>();
+      auto tile_rows = [&](int64_t t, int64_t m, int rows, float* out) {
+        with_rows(rows, [&](auto mt) {
+          constexpr int MT = decltype(mt)::value;
 #if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          // x's bf16 values, read by pairs of features (K is a multiple of 32).
-          const auto* x_pairs = reinterpret_cast<const uint32_t*>(xc.data_ptr<T>()) + m * (K / 2);
-          int4_tile_dot_paired<MT>(x_pairs, K, G, wp + t * tile_bytes, sp + t * groups * kTileN, mp + t * groups * kTileN,
-                                   x_sums.data() + m * groups, out);
-          return;
-        }
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            // x's bf16 values, read by pairs of features (K is a multiple of 32).
+            const auto* x_pairs = reinterpret_cast<const uint32_t*>(xc.data_ptr<T>()) + m * (K / 2);
+            int4_tile_dot_paired<MT>(x_pairs, K, G, wp + t * tile_bytes, sp + t * groups * kTileN, mp + t * groups * kTileN,
+                                     x_sums.data() + m * groups, out);
+            return;
+          }
 #endif
-        int4_tile_dot<MT>(xf.data() + m * K, K, G, wp + t * tile_bytes, sp + t * groups * kTileN, mp + t * groups * kTileN,
-                          x_sums.data() + m * groups, out);
-      });
-    };
-    y = run_tiles<T>(xc, out_features, tile_bytes, kMaxRowsInt4, nullptr, b, tile_rows);
+          int4_tile_dot<MT>(xf.data() + m * K, K, G, wp + t * tile_bytes, sp + t * groups * kTileN, mp + t * groups * kTileN,
+                            x_sums.data() + m * groups, out);
+        });
+      };
+      y = run_tiles<T>(xc, out_features, tile_bytes, kMaxRowsInt4, nullptr, b, tile_rows);
+    });
   });
   return y;
 }
@@ -523,28 +538,33 @@ at::Tensor int4_dequantize(const at::Tensor& tiles, const at::Tensor& scale, con
   check_int4(tiles, scale, min, group_size, out_features, "int4_dequantize");
   const int64_t N = out_features, K = kQuad * tiles.size(1), G = group_size, groups = (K + G - 1) / G;
   const uint8_t* wp = tiles.data_ptr<uint8_t>();
-  const float *sp = scale.data_ptr<float>(), *mp = min.data_ptr<float>();
-  return dequantize_transposed(N, K, tiles.size(0), like, "int4_dequantize", [&](int64_t t, int64_t k, auto* o) {
-    const uint8_t* quad = wp + (t * K + k) / kQuad * kQuadBytes;
-    const int c = static_cast<int>(k % kQuad);
-    const float *s = sp + (t * groups + k / G) * kTileN, *mn = mp + (t * groups + k / G) * kTileN;
+  at::Tensor out;
+  with_scale_type(scale, [&](auto* scale_tag) {
+    using S = std::remove_pointer_t<decltype(scale_tag)>;
+    const S *sp = scale.data_ptr<S>(), *mp = min.data_ptr<S>();
+    out = dequantize_transposed(N, K, tiles.size(0), like, "int4_dequantize", [&](int64_t t, int64_t k, auto* o) {
+      const uint8_t* quad = wp + (t * K + k) / kQuad * kQuadBytes;
+      const int c = static_cast<int>(k % kQuad);
+      const S *s = sp + (t * groups + k / G) * kTileN, *mn = mp + (t * groups + k / G) * kTileN;
 #if TOKENMILL_SIMD
-    for (int d = 0; d < kLaneVecs; ++d) {  // lanes d * W..: rows d * W.. and 16 + d * W..
-      const tokenmill_cpu::IVec lanes = tokenmill_cpu::load_u32(quad + d * W * 4);
-      for (int h = 0; h < 2; ++h) {
-        const int r = h * kHalfRows + d * W;
-        store(o + r, tokenmill_cpu::nibble_lanes(lanes, int4_shift(c, h)) * Vec::load(s + r) + Vec::load(mn + r));
+      for (int d = 0; d < kLaneVecs; ++d) {  // lanes d * W..: rows d * W.. and 16 + d * W..
+        const tokenmill_cpu::IVec lanes = tokenmill_cpu::load_u32(quad + d * W * 4);
+        for (int h = 0; h < 2; ++h) {
+          const int r = h * kHalfRows + d * W;
+          store(o + r, tokenmill_cpu::nibble_lanes(lanes, int4_shift(c, h)) * Vec::load(s + r) + Vec::load(mn + r));
+        }
       }
-    }
 #else
-    for (int r = 0; r < kTileN; ++r) {
-      uint32_t bits;
-      std::memcpy(&bits, quad + (r % kHalfRows) * 4, 4);
-      const float q = static_cast<float>((bits >> int4_shift(c, r / kHalfRows)) & 0xF);
-      o[r] = static_cast<std::remove_pointer_t<decltype(o)>>(q * s[r] + mn[r]);
-    }
+      for (int r = 0; r < kTileN; ++r) {
+        uint32_t bits;
+        std::memcpy(&bits, quad + (r % kHalfRows) * 4, 4);
+        const float q = static_cast<float>((bits >> int4_shift(c, r / kHalfRows)) & 0xF);
+        o[r] = static_cast<std::remove_pointer_t<decltype(o)>>(q * static_cast<float>(s[r]) + static_cast<float>(mn[r]));
+      }
 #endif
+    });
   });
+  return out;
 }
 
 // Whether bf16 activations multiply by pairs with vdpbf16ps here (dense_linear's paired layout,

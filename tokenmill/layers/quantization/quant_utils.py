@@ -4,6 +4,8 @@ The formats are the ones kernels/cpu/decode_linear.cpp packs (int8_pack, int4_pa
   int8: q [N, K] int8 in -127..127, scale [N] float32 (per output channel, symmetric): W = q * scale.
   int4: packed [N, K / 2] uint8, scale and min [N, groups] float32, groups of `group_size` input
         channels (the last may be shorter, a multiple of 32): W = q * scale + min, q in 0..15.
+        Quantized here, scale and min are values of fp16 (held in float32), so the kernels keep
+        them in fp16 (half the bytes of float32 scales, the same weights).
         In each block of 32 weights (16 bytes) byte j holds weight j in its low nibble and weight
         j + 16 in its high one, so the kernel widens a vector of bytes to two vectors of
         consecutive weights. Symmetric groups store q = round(W / scale) + 8 with min = -8 * scale
@@ -52,14 +54,15 @@ def quantize_int4(weight: torch.Tensor, group_size: int, symmetric: bool) -> tup
     if k % INT4_BLOCK or group_size % INT4_BLOCK:
         raise ValueError(f"int4 needs in_features and group_size divisible by {INT4_BLOCK}, got {k} and {group_size}")
     groups = _grouped(weight.float(), group_size)
-    tiny = torch.finfo(torch.float32).tiny
+    tiny = 2.0**-24  # fp16's smallest step: a scale rounded to fp16 never becomes 0
+    fp16 = lambda t: t.clamp(-65504.0, 65504.0).half().float()  # noqa: E731
     if symmetric:
-        scale = (groups.abs().amax(dim=-1) / 7.0).clamp(min=tiny)
+        scale = fp16((groups.abs().amax(dim=-1) / 7.0).clamp(min=tiny))
         q = torch.round(groups / scale[..., None]).clamp_(-8, 7) + 8
         minimum = -8.0 * scale
     else:
-        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = ((hi - lo) / 15.0).clamp(min=tiny)
+        lo, hi = fp16(groups.amin(dim=-1)), groups.amax(dim=-1)
+        scale = fp16(((hi - lo) / 15.0).clamp(min=tiny))
         q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp_(0, 15)
         minimum = lo
     q = q.reshape(n, -1)[:, :k].to(torch.uint8)

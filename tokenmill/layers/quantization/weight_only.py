@@ -75,13 +75,23 @@ def store_int8(layer: nn.Module, qweight: torch.Tensor, scale: torch.Tensor) -> 
 
 def store_int4(layer: nn.Module, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
     """quant_utils' int4 (packed [N, K / 2], scale and min [N, groups]): W = q * scale + min. Where the CPU
-    kernels run, held in their tiled layout (int4_pack, decode_linear.cpp), which their dequantize reads too."""
+    kernels run, held in their tiled layout (int4_pack, decode_linear.cpp), which their dequantize reads too,
+    with the scales and mins in fp16 where that holds them exactly (quantize_int4's, GGUF's Q4_0/Q4_1),
+    else float32 (a GPTQ/AWQ zero point times its scale)."""
     layer.out_features = packed.shape[0]
     quantized = (packed.contiguous(), scale.float().contiguous(), minimum.float().contiguous())
     if _on_kernels(packed):
-        quantized = cpu_kernels.int4_pack(*quantized)
+        quantized = int4_tiles(*quantized)
     for name, tensor in zip(("qweight", "weight_scale", "weight_min"), quantized):
         layer.register_buffer(name, tensor, persistent=False)
+
+
+def int4_tiles(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quant_utils' int4 in the kernels' layout (int4_pack), scales and mins in fp16 where it holds them exactly."""
+    scale, minimum = scale.float(), minimum.float()
+    if all(torch.equal(t.half().float(), t) for t in (scale, minimum)):
+        scale, minimum = scale.half(), minimum.half()
+    return cpu_kernels.int4_pack(packed.contiguous(), scale.contiguous(), minimum.contiguous())
 
 
 def quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel: Callable[[torch.Tensor], torch.Tensor],
@@ -114,6 +124,21 @@ def int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
 
     return quantized_linear(x, bias, lambda rows: cpu_kernels.int8_linear(rows, layer.qweight, layer.weight_scale, out_features, bias),
                              dequantized)
+
+
+def int4_linear(x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], out_features: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + bias for an int4 weight held as (packed or int4_tiles, scale, min, group_size)."""
+    if _decode_rows(x):
+        return cpu_kernels.int4_linear(x, *quantized, out_features, bias)
+
+    def dequantized(dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
+        if with_kernels:
+            return cpu_kernels.int4_dequantize(*quantized, out_features, dtype)
+        return quant_utils.dequantize_int4(*quantized).to(dtype)
+
+    return quantized_linear(x, bias, lambda rows: cpu_kernels.int4_linear(rows, *quantized, out_features, bias), dequantized,
+                            _int4_max_rows(x))
 
 
 class Int8LinearMethod(LinearMethodBase):
@@ -153,17 +178,7 @@ class Int4LinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.as_int8:
             return int8_linear(layer, x, bias)
-        quantized = (layer.qweight, layer.weight_scale, layer.weight_min, self.group_size)
-        if _decode_rows(x):
-            return cpu_kernels.int4_linear(x, *quantized, layer.out_features, bias)
-
-        def dequantized(dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
-            if with_kernels:
-                return cpu_kernels.int4_dequantize(*quantized, layer.out_features, dtype)
-            return quant_utils.dequantize_int4(*quantized).to(dtype)
-
-        return quantized_linear(x, bias, lambda rows: cpu_kernels.int4_linear(rows, *quantized, layer.out_features, bias),
-                                dequantized, _int4_max_rows(x))
+        return int4_linear(x, (layer.qweight, layer.weight_scale, layer.weight_min, self.group_size), layer.out_features, bias)
 
 
 class Int8LMHeadMethod(UnquantizedEmbeddingMethod):
