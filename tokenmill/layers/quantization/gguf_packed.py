@@ -21,6 +21,7 @@ Q4_K q/k) keeps one packed tensor per run of same-typed parts and computes each.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,7 @@ from torch import nn
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
-from tokenmill.layers.quantization.weight_only import int4_linear, int4_tiles, quantized_linear
+from tokenmill.layers.quantization.weight_only import int4_linear_call, int4_tiles, quantized_linear
 
 # GGML type ids (gguf.GGMLQuantizationType) computed packed, with (values, bytes) per block.
 BLOCKS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
@@ -102,6 +103,7 @@ class Int4Segment:
     quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
     out_features: int
     ggml_type: int  # the file's type
+    linear_call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # weight_only.int4_linear_call
 
     @classmethod
     def of(cls, weight: GGUFTensor) -> "Int4Segment | None":
@@ -113,13 +115,14 @@ class Int4Segment:
         scale = blocks[..., 0:2].contiguous().view(torch.float16).float()
         minimum = blocks[..., 2:4].contiguous().view(torch.float16).float() if name == "Q4_1" else -8.0 * scale
         nibbles = blocks[..., size - values // 2:].reshape(weight.rows, weight.cols // 2)
-        return cls((*int4_tiles(nibbles, scale.squeeze(-1), minimum.squeeze(-1)), values), weight.rows, weight.ggml_type)
+        quantized = (*int4_tiles(nibbles, scale.squeeze(-1), minimum.squeeze(-1)), values)
+        return cls(quantized, weight.rows, weight.ggml_type, int4_linear_call(quantized, weight.rows, on_kernels=True))
 
 
 def packed_linear(x: torch.Tensor, weight: "GGUFTensor | Int4Segment", bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T + bias: the packed kernel for a decode step's rows, else dequantize + the float GEMM."""
     if isinstance(weight, Int4Segment):
-        return int4_linear(x, weight.quantized, weight.out_features, bias)
+        return weight.linear_call(x, bias)
     if weight.ggml_type == FLOAT:
         return F.linear(x, weight.data.to(x.dtype), bias)
     return quantized_linear(x, bias, lambda rows: cpu_kernels.gguf_linear(rows, weight.data, weight.ggml_type, weight.cols, bias),

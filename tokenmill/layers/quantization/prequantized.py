@@ -131,7 +131,7 @@ class PackedInt4Method(Int4LinearMethod):
         """q [N, K] in 0..15, zeros and scale [N, groups]: W = (q - zero) * scale. perm: the input order
         of q's columns (act-order), or None. The checkpoint's parameters must be removed first."""
         scale = scale.float()
-        store_int4(layer, quant_utils.pack_int4(q.to(torch.uint8).contiguous()), scale, -zeros.float() * scale)
+        store_int4(layer, quant_utils.pack_int4(q.to(torch.uint8).contiguous()), scale, -zeros.float() * scale, self.group_size)
         layer.register_buffer("input_perm", perm, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
