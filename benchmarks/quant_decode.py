@@ -1,0 +1,68 @@
+"""Single-request decode time of each quantization method on one model, alternating in one process.
+
+    python benchmarks/quant_decode.py [--model PATH] [--methods "none,int8,int4 g32,int4,gguf"] [--rounds 5] [--tokens 32]
+
+Loads one LLM per method (the default model: the embedded SmolLM2-135M; `gguf` needs a GGUF file;
+"int4 g32" is int4 with groups of 32) and times, round by round and method after method, the
+generation of 1 and of tokens + 1 tokens after a 32-token prompt (greedy, EOS ignored): the
+difference over `tokens` is the decode time per token, without the prompt. Prints the CPU flags
+and each method's median and its ratio to the first method's, since these machines are shared and
+noisy and only same-process alternating ratios mean anything. `python benchmarks/peers.py --steps
+model --models llama1b` builds the 1B Llama this was measured on besides SmolLM2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+
+from tokenmill import LLM, SamplingParams
+
+
+def method_kwargs(method: str) -> dict:
+    """ "none", "int8", "int4", "int4 g32", "gguf", "w8a8" -> LLM keyword arguments."""
+    name, _, group = method.partition(" g")
+    kwargs: dict = {"quantization": None if name == "none" else name}
+    if group:
+        kwargs["quantization_options"] = {"group_size": int(group)}
+    return kwargs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a model folder or GGUF (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--methods", default="none,int8,int4 g32,int4")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=32)
+    args = parser.parse_args()
+    flags = subprocess.run("lscpu | grep -o 'avx[^ ]*\\|amx[^ ]*\\|fma' | sort -u | tr '\\n' ' '", shell=True,
+                           capture_output=True, text=True).stdout.strip()
+    print(f"CPU flags: {flags}", flush=True)
+    methods = [m.strip() for m in args.methods.split(",")]
+    llms = {m: LLM(model=args.model, dtype=args.dtype, max_num_seqs=4, **method_kwargs(m)) for m in methods}
+    prompts = [{"prompt_token_ids": list(range(100, 132))}]
+
+    def seconds(llm: LLM, tokens: int) -> float:
+        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    for llm in llms.values():
+        seconds(llm, 4)  # warm-up
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(args.rounds):
+        for method, llm in llms.items():
+            times[method].append((seconds(llm, args.tokens + 1) - seconds(llm, 1)) / args.tokens * 1e3)
+    base = statistics.median(times[methods[0]])
+    for method in methods:
+        median = statistics.median(times[method])
+        print(f"{method:>10}: {median:6.2f} ms per token ({base / median:.2f}x {methods[0]}); rounds: "
+              f"{', '.join(f'{t:.2f}' for t in times[method])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
