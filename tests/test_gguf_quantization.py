@@ -48,11 +48,13 @@ def test_mixed_types_file_computes_its_dequantized_copy(tiny_model_factory, tmp_
     kw = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=128, block_size=4)
     packed, reference = LLM(path, quantization="gguf", **kw), LLM(path, **kw)
     layer = _model(packed).model.layers[0]
-    # Q4_0 / Q4_1 linear layers move onto the int4 method's tiles (Int4Segment), the others stay as the file's blocks
-    assert [(type(s).__name__, s.ggml_type) for s in layer.self_attn.qkv_proj.gguf_segments] == [("Int4Segment", QT.Q4_0), ("GGUFTensor", QT.Q8_0)]
-    assert [(type(s).__name__, s.ggml_type) for s in layer.mlp.gate_up_proj.gguf_segments] == [("Int4Segment", QT.Q4_1)]
+    # Q8_0 / Q4_0 / Q4_1 linear layers move onto the weight-only methods' tiles (TiledSegment), one per run of a type
+    assert [(type(s).__name__, s.ggml_type) for s in layer.self_attn.qkv_proj.gguf_segments] == [("TiledSegment", QT.Q4_0), ("TiledSegment", QT.Q8_0)]
+    assert [(type(s).__name__, s.ggml_type) for s in layer.mlp.gate_up_proj.gguf_segments] == [("TiledSegment", QT.Q4_1)]
     assert _model(packed).model.embed_tokens.weight.gguf.ggml_type == QT.Q8_0
     assert _model(packed).lm_head.weight.gguf.ggml_type == QT.Q4_1
+    # the LM head's matmul on a tiled copy; the embedding gathers the file's rows
+    assert _model(packed).lm_head.gguf_tiled.ggml_type == QT.Q4_1 and _model(packed).model.embed_tokens.gguf_tiled is None
     assert_engine_computes(packed, reference, atol=1e-4)
 
 
@@ -113,13 +115,14 @@ def test_smollm2_keeps_the_files_blocks(smollm2_pair):
     layer = model.model.layers[0]
     (qkv,) = layer.self_attn.qkv_proj.gguf_segments
     # Q4_1 on the int4 tiles: the nibbles as they are (64 bytes per tile and 4 inputs), the fp16 scales and mins as they are
-    tiles, scale, minimum, group = qkv.quantized
+    tiles, scale, minimum, group = qkv.tensors
     assert qkv.ggml_type == QT.Q4_1 and tiles.shape == ((576 + 2 * 192) // 32, 576 // 4, 64) and group == 32
     assert scale.dtype == minimum.dtype == torch.float16 and scale.shape == ((576 + 2 * 192) // 32, 576 // 32, 32)
     assert model.model.embed_tokens.weight.gguf.ggml_type == QT.Q8_0 and model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.gguf_tiled.ggml_type == QT.Q8_0  # the tied head's matmul on a tiled copy of its Q8_0 blocks
     segments = [s for m in model.modules() for s in getattr(m, "gguf_segments", [])]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        t.numel() * t.element_size() for s in segments if hasattr(s, "quantized") for t in s.quantized[:3])
+        t.numel() * t.element_size() for s in segments if hasattr(s, "tensors") for t in s.tensors[:-1])
     assert weight_bytes < 110e6  # the file's ~104 MB (float32 would be 540 MB)
 
 

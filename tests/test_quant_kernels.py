@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tokenmill.kernels import cpu
-from tokenmill.layers.quantization import quant_utils as Q
+from tokenmill.layers.quantization import quant_utils as Q, weight_only as wo
 
 pytestmark = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="tokenmill's CPU kernels are not built here")
 
@@ -70,6 +70,23 @@ def test_int4_linear_matches_reference(shape, scale_dtype, group_size, symmetric
     tiles = cpu.int4_pack(packed, scale.to(scale_dtype), minimum.to(scale_dtype))
     assert tiles[1].dtype == tiles[2].dtype == scale_dtype
     _close(cpu.int4_linear(x, *tiles, group_size, n, bias), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", [(96, 64), (43, 576), (576, 1536)], ids=str)
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16], ids=str)
+def test_int8_group_linear_matches_reference(shape, scale_dtype, rows, dtype):
+    """int8 with a scale per row and group of 32 inputs (GGUF's Q8_0, on the tiles) against dequantize + float32 matmul."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k + rows)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.01).to(scale_dtype)
+    x, bias = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+    weight = q.float() * scale.float().repeat_interleave(32, dim=1)
+    tiles, scale_tiles = wo.int8_group_tiles(q, scale)
+    _close(cpu.int8_group_linear(x, tiles, scale_tiles, 32, n, bias), Q._float32_linear(x, weight, bias))
+    assert torch.equal(cpu.int8_group_dequantize(tiles, scale_tiles, 32, n, dtype), weight.to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1,10 +1,10 @@
 // Linear layers for the few rows of a decode step (CPU): y = x W^T + b with W a float32, bf16 or
 // fp16 weight in x's dtype (`dense_linear`), or weight-only quantized with activations kept in
-// float: int8 with a scale per output row (`int8_linear`: W[n, k] = q[n, k] * scale[n]) or int4 with
-// a scale and a min per row and group of input features (`int4_linear`: W = q * scale + min), each
-// packed once (`dense_pack`, `int8_pack`, `int4_pack`); and the quantized ones dequantized to the
-// model dtype for prompt chunks (`int8_dequantize`, `int4_dequantize`: one dequantize, then a float
-// GEMM, since a prompt's cost is the multiply, not the bytes).
+// float: int8 with a scale per output row (`int8_linear`: W[n, k] = q[n, k] * scale[n]) or per row
+// and group of input features (`int8_group_linear`: GGUF's Q8_0), or int4 with a scale and a min per
+// row and group (`int4_linear`: W = q * scale + min), each packed once (`dense_pack`, `int8_pack`,
+// `int4_pack`); and the quantized ones dequantized to the model dtype for long prompt chunks
+// (`int8_dequantize`, `int8_group_dequantize`, `int4_dequantize`: one dequantize, then a float GEMM).
 //
 // A decode step reads every weight once for one to a few rows of x, so its cost is the bytes read
 // plus what each call costs besides. oneDNN's prepacked matmul costs about 9 us a call beyond its
@@ -260,6 +260,45 @@ inline void int4_tile_dot_paired(const uint32_t* x_pairs, int64_t K, int64_t G, 
 }
 #endif
 
+// int8 weights with a scale per row and group of G input features (GGUF's Q8_0: G = 32), in
+// int8_pack's tiles, the scales [tiles, groups, kTileN] (float32 or fp16: S): W = q * scale. Sums
+// of q * x accumulate per group, then take the group's scale (as int4_tile_dot; the same register
+// budget, so kMaxRowsInt4 rows a pass).
+template <int MT, typename S>
+inline void int8_group_tile_dot(const float* x, int64_t K, int64_t G, const int8_t* tile, const S* scale, float* out) {
+  const int64_t groups = (K + G - 1) / G;
+#if TOKENMILL_SIMD
+  Vec acc[MT][kVecs];
+  zero_rows<MT>(acc);
+  for (int64_t g = 0; g < groups; ++g) {
+    Vec part[MT][kVecs];
+    zero_rows<MT>(part);
+    for (int64_t k = g * G; k < std::min(K, (g + 1) * G); ++k) {
+      Vec xb[MT];
+      for (int i = 0; i < MT; ++i) xb[i] = Vec::set1(x[i * K + k]);
+      for (int v = 0; v < kVecs; ++v) {
+        const Vec wv = tokenmill_cpu::load_int8(tile + k * kTileN + v * W);
+        for (int i = 0; i < MT; ++i) part[i][v] = fmadd(wv, xb[i], part[i][v]);
+      }
+    }
+    for (int v = 0; v < kVecs; ++v) {
+      const Vec s = Vec::load(scale + g * kTileN + v * W);
+      for (int i = 0; i < MT; ++i) acc[i][v] = fmadd(part[i][v], s, acc[i][v]);
+    }
+  }
+  store_rows<MT>(acc, out);
+#else
+  std::fill(out, out + MT * kTileN, 0.f);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int r = 0; r < kTileN; ++r)
+      for (int i = 0; i < MT; ++i) {
+        float part = 0.f;
+        for (int64_t k = g * G; k < std::min(K, (g + 1) * G); ++k) part += static_cast<float>(tile[k * kTileN + r]) * x[i * K + k];
+        out[i * kTileN + r] += part * static_cast<float>(scale[g * kTileN + r]);
+      }
+#endif
+}
+
 // f(integral_constant<MT>) for the rows of x in one pass (MT <= kMaxRows; rows <= kMaxRowsInt4 for int4).
 template <typename F>
 inline void with_rows(int rows, F&& f) {
@@ -335,7 +374,8 @@ void check_int4(const at::Tensor& tiles, const at::Tensor& scale, const at::Tens
                 op, ": scale and min must be int4_pack's [tiles, ", groups, " groups, ", kTileN, "], both float32 or both fp16");
 }
 
-// f(S*) for int4 scales and mins held as S (float or c10::Half, as check_int4 allows).
+// f(S*) for group scales (and int4's mins) held as S (float or c10::Half, as check_int4 and
+// check_int8_group allow).
 template <typename F>
 void with_scale_type(const at::Tensor& scale, F&& f) {
   if (scale.scalar_type() == at::kHalf)
@@ -440,6 +480,42 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+// int8 weights with group scales: int8_pack's tiles, the scales [tiles, groups, kTileN] (float32 or fp16).
+void check_int8_group(const at::Tensor& tiles, const at::Tensor& scale, int64_t G, int64_t N, const char* op) {
+  TORCH_CHECK(G > 0, op, ": group size must be positive");
+  TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kChar && tiles.is_contiguous() && tiles.size(0) == (N + kTileN - 1) / kTileN &&
+                  tiles.size(2) == kTileN, op, ": the weight must be int8_pack's layout of ", N, " output rows");
+  const int64_t groups = (tiles.size(1) + G - 1) / G;
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) && scale.is_contiguous() &&
+                  scale.sizes() == at::IntArrayRef({tiles.size(0), groups, kTileN}),
+              op, ": scale must be [tiles, ", groups, " groups, ", kTileN, "] float32 or fp16");
+}
+
+at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, int64_t group_size, int64_t out_features,
+                             const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "int8_group_linear: x must be [rows, in_features]");
+  check_int8_group(tiles, scale, group_size, out_features, "int8_group_linear");
+  const int64_t K = x.size(1), G = group_size, groups = (K + G - 1) / G;
+  TORCH_CHECK(tiles.size(1) == K, "int8_group_linear: x has ", K, " features, the weight ", tiles.size(1));
+  const std::vector<float> b = bias_as_float(bias, out_features, "int8_group_linear");
+  const int8_t* wp = tiles.data_ptr<int8_t>();
+  at::Tensor y;
+  dispatch_float_types(x.scalar_type(), "int8_group_linear", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const std::vector<float> xf = rows_as_float<T>(x);
+    with_scale_type(scale, [&](auto* scale_tag) {
+      using S = std::remove_pointer_t<decltype(scale_tag)>;
+      const S* sp = scale.data_ptr<S>();
+      y = run_tiles<T>(x, out_features, K * kTileN, kMaxRowsInt4, nullptr, b, [&](int64_t t, int64_t m, int rows, float* out) {
+        with_rows(rows, [&](auto mt) {
+          int8_group_tile_dot<decltype(mt)::value>(xf.data() + m * K, K, G, wp + t * K * kTileN, sp + t * groups * kTileN, out);
+        });
+      });
+    });
+  });
+  return y;
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& min, int64_t group_size,
                        int64_t out_features, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2, "int4_linear: x must be [rows, in_features]");
@@ -531,6 +607,29 @@ at::Tensor int8_dequantize(const at::Tensor& tiles, const at::Tensor& scale, int
   });
 }
 
+// int8 with group scales dequantized, transposed: W^T[k, n] = q[n, k] * scale of row n's group of k.
+at::Tensor int8_group_dequantize(const at::Tensor& tiles, const at::Tensor& scale, int64_t group_size, int64_t out_features,
+                                 const at::Tensor& like) {
+  check_int8_group(tiles, scale, group_size, out_features, "int8_group_dequantize");
+  const int64_t N = out_features, K = tiles.size(1), G = group_size, groups = (K + G - 1) / G;
+  const int8_t* wp = tiles.data_ptr<int8_t>();
+  at::Tensor out;
+  with_scale_type(scale, [&](auto* scale_tag) {
+    using S = std::remove_pointer_t<decltype(scale_tag)>;
+    const S* sp = scale.data_ptr<S>();
+    out = dequantize_transposed(N, K, tiles.size(0), like, "int8_group_dequantize", [&](int64_t t, int64_t k, auto* o) {
+      const int8_t* w = wp + (t * K + k) * kTileN;
+      const S* s = sp + (t * groups + k / G) * kTileN;
+#if TOKENMILL_SIMD
+      for (int v = 0; v < kVecs; ++v) store(o + v * W, tokenmill_cpu::load_int8(w + v * W) * Vec::load(s + v * W));
+#else
+      for (int r = 0; r < kTileN; ++r) o[r] = static_cast<std::remove_pointer_t<decltype(o)>>(static_cast<float>(w[r]) * static_cast<float>(s[r]));
+#endif
+    });
+  });
+  return out;
+}
+
 // int4_pack's tiles dequantized, transposed: W^T[k, n] = q * scale + min of row n's group of k, rounded
 // twice as quant_utils.dequantize_int4 does.
 at::Tensor int4_dequantize(const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& min, int64_t group_size,
@@ -580,6 +679,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("int8_pack(Tensor q) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int out_features, Tensor? bias) -> Tensor");
   m.def("int8_dequantize(Tensor tiles, Tensor scale, int out_features, Tensor like) -> Tensor");
+  m.def("int8_group_linear(Tensor x, Tensor tiles, Tensor scale, int group_size, int out_features, Tensor? bias) -> Tensor");
+  m.def("int8_group_dequantize(Tensor tiles, Tensor scale, int group_size, int out_features, Tensor like) -> Tensor");
   m.def("int4_pack(Tensor packed, Tensor scale, Tensor min) -> Tensor[]");
   m.def("int4_linear(Tensor x, Tensor tiles, Tensor scale, Tensor min, int group_size, int out_features, Tensor? bias) -> Tensor");
   m.def("int4_dequantize(Tensor tiles, Tensor scale, Tensor min, int group_size, int out_features, Tensor like) -> Tensor");
@@ -588,6 +689,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.impl("int8_pack", c10::DispatchKey::CPU, &int8_pack);
   m.impl("int8_linear", c10::DispatchKey::CPU, &int8_linear);
   m.impl("int8_dequantize", c10::DispatchKey::CPU, &int8_dequantize);
+  m.impl("int8_group_linear", c10::DispatchKey::CPU, &int8_group_linear);
+  m.impl("int8_group_dequantize", c10::DispatchKey::CPU, &int8_group_dequantize);
   m.impl("int4_pack", c10::DispatchKey::CPU, &int4_pack);
   m.impl("int4_linear", c10::DispatchKey::CPU, &int4_linear);
   m.impl("int4_dequantize", c10::DispatchKey::CPU, &int4_dequantize);

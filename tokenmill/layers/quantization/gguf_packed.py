@@ -7,8 +7,9 @@ layer, the embedding and the LM head keep their GGUFTensor; a decode step's few 
 packed kernel, which dequantizes each block in registers to the very float32 values gguf's
 dequantize gives, so the model computes what its dequantized copy computes up to the summation
 order. A prompt chunk (many rows) dequantizes the weight once and runs the float GEMM. Linear
-layers in Q4_0 / Q4_1 move onto the int4 method's tiles instead (Int4Segment: the same values,
-its faster kernels, up to 64 rows or, for bf16 with AVX512-BF16, every row count).
+layers in Q8_0, Q4_0 and Q4_1 move onto the weight-only methods' tiles instead (TiledSegment: the
+same values, their faster kernels, up to 64 rows or, for Q4 in bf16 with AVX512-BF16, every row
+count).
 
 Each GGUF row is independent and holds whole blocks, so tensor parallelism splits a packed tensor
 as it splits a float one: output rows for a column-parallel layer, and for a row-parallel one the
@@ -32,7 +33,8 @@ from torch import nn
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
-from tokenmill.layers.quantization.weight_only import int4_linear_call, int4_tiles, quantized_linear
+from tokenmill.layers.quantization.unquantized import is_lm_head
+from tokenmill.layers.quantization.weight_only import int4_linear_call, int4_tiles, int8_group_linear_call, int8_group_tiles, quantized_linear
 
 # GGML type ids (gguf.GGMLQuantizationType) computed packed, with (values, bytes) per block.
 BLOCKS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
@@ -96,32 +98,38 @@ class GGUFTensor:
 
 
 @dataclass
-class Int4Segment:
-    """A Q4_0 / Q4_1 tensor moved onto the int4 method's tiles (weight_only.int4_tiles: the same nibbles,
-    the fp16 scales and mins as they are, Q4_0's min being -8 times its scale): its faster kernel."""
+class TiledSegment:
+    """A Q8_0, Q4_0 or Q4_1 tensor moved onto the weight-only methods' tiles (decode_linear.cpp): Q8_0's
+    int8 values with their fp16 scale per block (int8_group_linear), Q4_0/Q4_1's nibbles as they are with
+    their fp16 scales and mins (the int4 method's kernels; Q4_0's min is -8 times its scale). The same
+    values as the file's; those kernels stream faster than gguf_linear.cpp's rows."""
 
-    quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+    tensors: tuple  # the kernel's weight arguments: (tiles, scale, group) or (tiles, scale, min, group)
     out_features: int
     ggml_type: int  # the file's type
-    linear_call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # weight_only.int4_linear_call
+    linear_call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
     @classmethod
-    def of(cls, weight: GGUFTensor) -> "Int4Segment | None":
-        """The tiles of a Q4_0 / Q4_1 tensor where the CPU kernels run; None for other types."""
+    def of(cls, weight: GGUFTensor) -> "TiledSegment | None":
+        """The tiles of a Q8_0 / Q4_0 / Q4_1 tensor where the CPU kernels run; None for other types."""
         name, values, size = PACKED_TYPES.get(weight.ggml_type, (None, 0, 0))
-        if name not in ("Q4_0", "Q4_1") or not cpu_kernels.cpu_kernels_available():
+        if name not in ("Q8_0", "Q4_0", "Q4_1") or not cpu_kernels.cpu_kernels_available():
             return None
         blocks = weight.data.contiguous().view(weight.rows, weight.cols // values, size)
-        scale = blocks[..., 0:2].contiguous().view(torch.float16).float()
-        minimum = blocks[..., 2:4].contiguous().view(torch.float16).float() if name == "Q4_1" else -8.0 * scale
+        scale = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+        if name == "Q8_0":
+            q = blocks[..., 2:].contiguous().view(torch.int8).reshape(weight.rows, weight.cols)
+            tensors = (*int8_group_tiles(q, scale), values)
+            return cls(tensors, weight.rows, weight.ggml_type, int8_group_linear_call(tensors, weight.rows))
+        minimum = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() if name == "Q4_1" else -8.0 * scale.float()
         nibbles = blocks[..., size - values // 2:].reshape(weight.rows, weight.cols // 2)
-        quantized = (*int4_tiles(nibbles, scale.squeeze(-1), minimum.squeeze(-1)), values)
-        return cls(quantized, weight.rows, weight.ggml_type, int4_linear_call(quantized, weight.rows, on_kernels=True))
+        tensors = (*int4_tiles(nibbles, scale.float(), minimum), values)
+        return cls(tensors, weight.rows, weight.ggml_type, int4_linear_call(tensors, weight.rows, on_kernels=True))
 
 
-def packed_linear(x: torch.Tensor, weight: "GGUFTensor | Int4Segment", bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, weight: "GGUFTensor | TiledSegment", bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T + bias: the packed kernel for a decode step's rows, else dequantize + the float GEMM."""
-    if isinstance(weight, Int4Segment):
+    if isinstance(weight, TiledSegment):
         return weight.linear_call(x, bias)
     if weight.ggml_type == FLOAT:
         return F.linear(x, weight.data.to(x.dtype), bias)
@@ -174,7 +182,7 @@ class GGUFLinearMethod(LinearMethodBase):
                 segments[-1] = GGUFTensor(torch.cat([last.data, shard.data]), last.ggml_type, last.cols)
             else:
                 segments.append(shard)
-        layer.gguf_segments = [Int4Segment.of(segment) or segment for segment in segments]
+        layer.gguf_segments = [TiledSegment.of(segment) or segment for segment in segments]
         del layer.gguf_shards
         single = len(segments) == 1 and isinstance(layer.gguf_segments[0], GGUFTensor)
         layer.weight.data = segments[0].data if single else torch.empty(0, dtype=torch.uint8)
@@ -190,7 +198,12 @@ class GGUFLinearMethod(LinearMethodBase):
 class GGUFEmbeddingMethod(EmbeddingMethodBase):
     """The token embedding (rows dequantized as they are looked up) and the LM head (the packed
     linear). The GGUFTensor rides on the weight Parameter, so a tied LM head, which shares the
-    embedding's Parameter, reads it too."""
+    embedding's Parameter, reads it too. An LM head in Q8_0 / Q4_0 / Q4_1 also keeps a TiledSegment
+    copy for its matmul (a tied one: the embedding keeps gathering the file's rows), e.g. SmolLM2's
+    Q8_0 head: 30 MB more, its logits ~2x faster than gguf_linear.cpp's rows."""
+
+    def __init__(self, lm_head: bool = False) -> None:
+        self.lm_head = lm_head
 
     def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int, weight_loader: WeightLoader) -> None:
         self.dtype = torch.get_default_dtype()
@@ -212,7 +225,13 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         rows = GGUFTensor(weight.data.index_select(0, input_ids.reshape(-1)), weight.ggml_type, weight.cols)
         return rows.dequantize(self.dtype, cpu_kernels.use_cpu_kernels(rows.data)).view(*input_ids.shape, weight.cols)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        gguf = getattr(layer.weight, "gguf", None)
+        layer.gguf_tiled = TiledSegment.of(gguf) if self.lm_head and gguf is not None else None
+
     def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        if layer.gguf_tiled is not None:
+            return layer.gguf_tiled.linear_call(hidden, None)
         return packed_linear(hidden, layer.weight.gguf, None)
 
 
@@ -225,4 +244,4 @@ class GGUFConfig(QuantizationConfig):
         return GGUFLinearMethod()
 
     def embedding_method(self, prefix: str) -> EmbeddingMethodBase:
-        return GGUFEmbeddingMethod()
+        return GGUFEmbeddingMethod(lm_head=is_lm_head(prefix))

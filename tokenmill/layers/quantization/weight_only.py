@@ -155,6 +155,25 @@ def int4_linear_call(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     return KernelLinear(torch.ops.tokenmill_cpu.int4_linear.default, (*quantized, out_features), general, any_rows)
 
 
+def int8_group_tiles(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 q [N, K] with a scale per row and group ([N, groups], fp16 or float32: kept as it is) in the kernels'
+    layout: int8_pack's tiles and the scales by tile [tiles, groups, 32] (int8_group_linear, decode_linear.cpp)."""
+    n, groups = scale.shape
+    tiles = -(-n // 32)
+    scale_tiles = F.pad(scale, (0, 0, 0, tiles * 32 - n)).view(tiles, 32, groups).transpose(1, 2).contiguous()
+    return cpu_kernels.int8_pack(q.contiguous()), scale_tiles
+
+
+def int8_group_linear_call(quantized: tuple[torch.Tensor, torch.Tensor, int], out_features: int) -> KernelLinear:
+    """linear_call (x, bias) of an int8 weight with group scales held as (int8_group_tiles, group_size)."""
+
+    def general(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return quantized_linear(x, bias, lambda rows: cpu_kernels.int8_group_linear(rows, *quantized, out_features, bias),
+                                lambda dtype, _: cpu_kernels.int8_group_dequantize(*quantized, out_features, dtype))
+
+    return KernelLinear(torch.ops.tokenmill_cpu.int8_group_linear.default, (*quantized, out_features), general)
+
+
 def _int4_rows(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], out_features: int, x: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
     def dequantized(dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
