@@ -70,6 +70,10 @@ def test_int4_linear_matches_reference(shape, scale_dtype, group_size, symmetric
     tiles = cpu.int4_pack(packed, scale.to(scale_dtype), minimum.to(scale_dtype))
     assert tiles[1].dtype == tiles[2].dtype == scale_dtype
     _close(cpu.int4_linear(x, *tiles, group_size, n, bias), want)
+    if symmetric:  # no mins stored: -8 x scale in the kernel
+        tiles = cpu.int4_pack(packed, scale.to(scale_dtype), minimum.new_empty(0).to(scale_dtype))
+        assert tiles[2].numel() == 0
+        _close(cpu.int4_linear(x, *tiles, group_size, n, bias), want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -99,6 +103,10 @@ def test_dequantize_ops_match_reference(dtype):
     for scale_dtype in (torch.float32, torch.float16):  # quantize_int4's scales and mins are fp16 values: the same weights
         tiles = cpu.int4_pack(packed, s.to(scale_dtype), m.to(scale_dtype))
         assert torch.equal(cpu.int4_dequantize(*tiles, 128, 83, dtype), Q.dequantize_int4(packed, s, m, 128).to(dtype))
+    packed, s, m = Q.quantize_int4(w, 128, True)  # symmetric: wo.int4_tiles stores no mins
+    tiles = wo.int4_tiles(packed, s, m)
+    assert tiles[1].dtype == torch.float16 and tiles[2].numel() == 0
+    assert torch.equal(cpu.int4_dequantize(*tiles, 128, 83, dtype), Q.dequantize_int4(packed, s, m, 128).to(dtype))
 
 
 def test_int4_packing_round_trips():

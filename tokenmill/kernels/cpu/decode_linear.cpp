@@ -143,7 +143,9 @@ inline void tile_dot_paired(const uint32_t* x_pairs, int64_t pairs, const c10::B
 // bytes read as 16 little-endian uint32 lanes, lane r holding the 8 values of rows r and r + 16 at
 // those features: row r + 16 h, feature 4j + c in the 4 bits at int4_shift(c, h). A scale and a min
 // per row and group of G input features ([tiles, groups, kTileN] each, float32 or, where they are
-// exact in it, fp16: S): W = q * scale + min.
+// exact in it, fp16: S): W = q * scale + min; a symmetric weight (every min -8 x its scale: GGUF's
+// Q4_0, `symmetric` groups) stores no mins (min == nullptr) and takes -8 x scale in registers, 0.5 +
+// 2 / G bytes per weight with fp16 scales.
 // Sums of q * x accumulate per group, then take the group's scale; the mins multiply each row of
 // x's sum over the group (x_sums [MT, groups]).
 //
@@ -190,7 +192,7 @@ inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* t
       }
     }
     for (int v = 0; v < kVecs; ++v) {
-      const Vec s = Vec::load(scale + g * kTileN + v * W), mn = Vec::load(min + g * kTileN + v * W);
+      const Vec s = Vec::load(scale + g * kTileN + v * W), mn = min ? Vec::load(min + g * kTileN + v * W) : s * Vec::set1(-8.f);
       for (int i = 0; i < MT; ++i) acc[i][v] = fmadd(mn, Vec::set1(x_sums[i * groups + g]), fmadd(part[i][v], s, acc[i][v]));
     }
   }
@@ -207,7 +209,8 @@ inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* t
           std::memcpy(&bits, tile + (k / kQuad) * kQuadBytes + lane * 4, 4);
           part += static_cast<float>((bits >> int4_shift(static_cast<int>(k % kQuad), h)) & 0xF) * x[i * K + k];
         }
-        out[i * kTileN + r] += part * static_cast<float>(scale[g * kTileN + r]) + static_cast<float>(min[g * kTileN + r]) * x_sums[i * groups + g];
+        const float sr = static_cast<float>(scale[g * kTileN + r]), mr = min ? static_cast<float>(min[g * kTileN + r]) : -8.f * sr;
+        out[i * kTileN + r] += part * sr + mr * x_sums[i * groups + g];
       }
     }
 #endif
@@ -247,7 +250,8 @@ inline void int4_tile_dot_paired(const uint32_t* x_pairs, int64_t K, int64_t G, 
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m512 s = Vec::load(scale + g * kTileN + h * kHalfRows).v, mn = Vec::load(min + g * kTileN + h * kHalfRows).v;
+      const __m512 s = Vec::load(scale + g * kTileN + h * kHalfRows).v;
+      const __m512 mn = min ? Vec::load(min + g * kTileN + h * kHalfRows).v : _mm512_mul_ps(s, _mm512_set1_ps(-8.f));
       for (int i = 0; i < MT; ++i) {
         const __m512 xs = _mm512_set1_ps(x_sums[i * groups + g]);
         const __m512 qx = _mm512_fnmadd_ps(k128, xs, _mm512_add_ps(part[i][h], part[i][h + 2]));  // sum q x
@@ -345,7 +349,8 @@ std::vector<at::Tensor> int4_pack(const at::Tensor& packed, const at::Tensor& sc
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.size(1) % 16 == 0,
               "int4_pack: packed must be uint8 [out_features, in_features / 2] in blocks of 16 bytes");
   const int64_t N = packed.size(0), K = 2 * packed.size(1), tiles = (N + kTileN - 1) / kTileN;
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && min.sizes() == scale.sizes(), "int4_pack: scale and min must be [out_features, groups]");
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && (min.sizes() == scale.sizes() || min.numel() == 0),
+              "int4_pack: scale and min must be [out_features, groups] (min empty: symmetric, -8 x scale)");
   const at::Tensor blocks = packed.contiguous().view({N, K / 32, 1, 16});
   const at::Tensor q = at::cat({blocks.bitwise_and(0xF), blocks.bitwise_right_shift(4)}, 2).view({N, K}).to(at::kLong);
   // [tiles, h, r, quad, c >> 1, c & 1] -> [tiles, quad, r, h, c >> 1, c & 1], each value shifted to
@@ -356,11 +361,13 @@ std::vector<at::Tensor> int4_pack(const at::Tensor& packed, const at::Tensor& sc
     for (int c = 0; c < kQuad; ++c) shift_values.push_back(int4_shift(c, h));
   const at::Tensor shifts = at::tensor(shift_values, at::kLong).view({2, 2, 2});
   const at::Tensor lanes = rows.permute({0, 3, 2, 1, 4, 5}).bitwise_left_shift(shifts).sum({3, 4, 5}).to(at::kInt);
-  const at::ScalarType scale_type = scale.scalar_type() == at::kHalf && min.scalar_type() == at::kHalf ? at::kHalf : at::kFloat;
+  const bool symmetric = min.numel() == 0;
+  const at::ScalarType scale_type = scale.scalar_type() == at::kHalf && (symmetric || min.scalar_type() == at::kHalf) ? at::kHalf : at::kFloat;
   auto by_tile = [&](const at::Tensor& t) {
     return at::constant_pad_nd(t.to(scale_type), {0, 0, 0, tiles * kTileN - N}).view({tiles, kTileN, t.size(1)}).transpose(1, 2).contiguous();
   };
-  return {lanes.contiguous().view(at::kByte).view({tiles, K / kQuad, kQuadBytes}), by_tile(scale), by_tile(min)};
+  return {lanes.contiguous().view(at::kByte).view({tiles, K / kQuad, kQuadBytes}), by_tile(scale),
+          symmetric ? at::empty({0}, scale.options().dtype(scale_type)) : by_tile(min)};
 }
 
 void check_int4(const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& min, int64_t G, int64_t N, const char* op) {
@@ -368,10 +375,12 @@ void check_int4(const at::Tensor& tiles, const at::Tensor& scale, const at::Tens
   TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.size(0) == (N + kTileN - 1) / kTileN &&
                   tiles.size(2) == kQuadBytes, op, ": the weight must be int4_pack's layout of ", N, " output rows");
   const int64_t groups = (kQuad * tiles.size(1) + G - 1) / G;
-  for (const at::Tensor* t : {&scale, &min})
+  for (const at::Tensor* t : {&scale, &min}) {
+    if (t == &min && min.numel() == 0) continue;  // symmetric: no mins
     TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) && t->scalar_type() == scale.scalar_type() &&
                     t->is_contiguous() && t->sizes() == at::IntArrayRef({tiles.size(0), groups, kTileN}),
                 op, ": scale and min must be int4_pack's [tiles, ", groups, " groups, ", kTileN, "], both float32 or both fp16");
+  }
 }
 
 // f(S*) for group scales (and int4's mins) held as S (float or c10::Half, as check_int4 and
@@ -536,7 +545,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiles, const at::T
         for (int64_t k = g * G; k < std::min(K, (g + 1) * G); ++k) x_sums[m * groups + g] += xf[m * K + k];
     with_scale_type(scale, [&](auto* scale_tag) {
       using S = std::remove_pointer_t<decltype(scale_tag)>;
-      const S *sp = scale.data_ptr<S>(), *mp = min.data_ptr<S>();
+      const S *sp = scale.data_ptr<S>(), *mp = min.numel() ? min.data_ptr<S>() : nullptr;
       auto tile_rows = [&](int64_t t, int64_t m, int rows, float* out) {
         with_rows(rows, [&](auto mt) {
           constexpr int MT = decltype(mt)::value;
@@ -544,12 +553,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiles, const at::T
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
             // x's bf16 values, read by pairs of features (K is a multiple of 32).
             const auto* x_pairs = reinterpret_cast<const uint32_t*>(xc.data_ptr<T>()) + m * (K / 2);
-            int4_tile_dot_paired<MT>(x_pairs, K, G, wp + t * tile_bytes, sp + t * groups * kTileN, mp + t * groups * kTileN,
+            int4_tile_dot_paired<MT>(x_pairs, K, G, wp + t * tile_bytes, sp + t * groups * kTileN, mp ? mp + t * groups * kTileN : nullptr,
                                      x_sums.data() + m * groups, out);
             return;
           }
 #endif
-          int4_tile_dot<MT>(xf.data() + m * K, K, G, wp + t * tile_bytes, sp + t * groups * kTileN, mp + t * groups * kTileN,
+          int4_tile_dot<MT>(xf.data() + m * K, K, G, wp + t * tile_bytes, sp + t * groups * kTileN, mp ? mp + t * groups * kTileN : nullptr,
                             x_sums.data() + m * groups, out);
         });
       };
@@ -640,17 +649,18 @@ at::Tensor int4_dequantize(const at::Tensor& tiles, const at::Tensor& scale, con
   at::Tensor out;
   with_scale_type(scale, [&](auto* scale_tag) {
     using S = std::remove_pointer_t<decltype(scale_tag)>;
-    const S *sp = scale.data_ptr<S>(), *mp = min.data_ptr<S>();
+    const S *sp = scale.data_ptr<S>(), *mp = min.numel() ? min.data_ptr<S>() : nullptr;
     out = dequantize_transposed(N, K, tiles.size(0), like, "int4_dequantize", [&](int64_t t, int64_t k, auto* o) {
       const uint8_t* quad = wp + (t * K + k) / kQuad * kQuadBytes;
       const int c = static_cast<int>(k % kQuad);
-      const S *s = sp + (t * groups + k / G) * kTileN, *mn = mp + (t * groups + k / G) * kTileN;
+      const S *s = sp + (t * groups + k / G) * kTileN, *mn = mp ? mp + (t * groups + k / G) * kTileN : nullptr;
 #if TOKENMILL_SIMD
       for (int d = 0; d < kLaneVecs; ++d) {  // lanes d * W..: rows d * W.. and 16 + d * W..
         const tokenmill_cpu::IVec lanes = tokenmill_cpu::load_u32(quad + d * W * 4);
         for (int h = 0; h < 2; ++h) {
           const int r = h * kHalfRows + d * W;
-          store(o + r, tokenmill_cpu::nibble_lanes(lanes, int4_shift(c, h)) * Vec::load(s + r) + Vec::load(mn + r));
+          const Vec sr = Vec::load(s + r);
+          store(o + r, tokenmill_cpu::nibble_lanes(lanes, int4_shift(c, h)) * sr + (mn ? Vec::load(mn + r) : sr * Vec::set1(-8.f)));
         }
       }
 #else
@@ -658,7 +668,8 @@ at::Tensor int4_dequantize(const at::Tensor& tiles, const at::Tensor& scale, con
         uint32_t bits;
         std::memcpy(&bits, quad + (r % kHalfRows) * 4, 4);
         const float q = static_cast<float>((bits >> int4_shift(c, r / kHalfRows)) & 0xF);
-        o[r] = static_cast<std::remove_pointer_t<decltype(o)>>(q * static_cast<float>(s[r]) + static_cast<float>(mn[r]));
+        const float sr = static_cast<float>(s[r]);
+        o[r] = static_cast<std::remove_pointer_t<decltype(o)>>(q * sr + (mn ? static_cast<float>(mn[r]) : -8.f * sr));
       }
 #endif
     });

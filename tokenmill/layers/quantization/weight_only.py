@@ -94,8 +94,11 @@ def store_int4(layer: nn.Module, packed: torch.Tensor, scale: torch.Tensor, mini
 
 
 def int4_tiles(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """quant_utils' int4 in the kernels' layout (int4_pack), scales and mins in fp16 where it holds them exactly."""
+    """quant_utils' int4 in the kernels' layout (int4_pack), scales and mins in fp16 where it holds them exactly;
+    no mins at all (an empty tensor) where every one is -8 x its scale (symmetric groups, GGUF's Q4_0)."""
     scale, minimum = scale.float(), minimum.float()
+    if torch.equal(minimum, -8.0 * scale):
+        minimum = scale.new_empty(0)
     if all(torch.equal(t.half().float(), t) for t in (scale, minimum)):
         scale, minimum = scale.half(), minimum.half()
     return cpu_kernels.int4_pack(packed.contiguous(), scale.contiguous(), minimum.contiguous())
