@@ -90,6 +90,22 @@ inline void store_rows(const Vec (&acc)[MT][kVecs], float* out) {
   for (int i = 0; i < MT; ++i)
     for (int v = 0; v < kVecs; ++v) store(out + i * kTileN + v * W, acc[i][v]);
 }
+
+// A tile's sums for weights with a scale per group of G input features: per group, add(k0, k1,
+// part) adds features [k0, k1) into zeroed partial sums, then take(g, part, acc) scales them into
+// the totals; out gets the totals (int4_tile_dot, int8_group_tile_dot).
+template <int MT, typename Add, typename Take>
+inline void by_groups(int64_t K, int64_t G, float* out, Add&& add, Take&& take) {
+  Vec acc[MT][kVecs];
+  zero_rows<MT>(acc);
+  for (int64_t g = 0; g < (K + G - 1) / G; ++g) {
+    Vec part[MT][kVecs];
+    zero_rows<MT>(part);
+    add(g * G, std::min(K, (g + 1) * G), part);
+    take(g, part, acc);
+  }
+  store_rows<MT>(acc, out);
+}
 #endif
 
 // out[i * kTileN + r] = sum_k x[i * K + k] * W[r, k] for i < MT, r < kTileN: one packed tile of
@@ -173,12 +189,8 @@ inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* t
                           const float* x_sums, float* out) {
   const int64_t groups = (K + G - 1) / G;
 #if TOKENMILL_SIMD
-  Vec acc[MT][kVecs];
-  zero_rows<MT>(acc);
-  for (int64_t g = 0; g < groups; ++g) {
-    Vec part[MT][kVecs];
-    zero_rows<MT>(part);
-    for (int64_t j = g * G / kQuad; j < std::min(K, (g + 1) * G) / kQuad; ++j) {
+  by_groups<MT>(K, G, out, [&](int64_t k0, int64_t k1, Vec (&part)[MT][kVecs]) {
+    for (int64_t j = k0 / kQuad; j < k1 / kQuad; ++j) {
       for (int d = 0; d < kLaneVecs; ++d) {  // lanes d * W..: rows d * W.. and 16 + d * W..
         const tokenmill_cpu::IVec lanes = tokenmill_cpu::load_u32(tile + j * kQuadBytes + d * W * 4);
         for (int c = 0; c < kQuad; ++c) {
@@ -191,12 +203,12 @@ inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* t
         }
       }
     }
+  }, [&](int64_t g, const Vec (&part)[MT][kVecs], Vec (&acc)[MT][kVecs]) {
     for (int v = 0; v < kVecs; ++v) {
       const Vec s = Vec::load(scale + g * kTileN + v * W), mn = min ? Vec::load(min + g * kTileN + v * W) : s * Vec::set1(-8.f);
       for (int i = 0; i < MT; ++i) acc[i][v] = fmadd(mn, Vec::set1(x_sums[i * groups + g]), fmadd(part[i][v], s, acc[i][v]));
     }
-  }
-  store_rows<MT>(acc, out);
+  });
 #else
   std::fill(out, out + MT * kTileN, 0.f);
   for (int64_t g = 0; g < groups; ++g)
@@ -270,14 +282,9 @@ inline void int4_tile_dot_paired(const uint32_t* x_pairs, int64_t K, int64_t G, 
 // budget, so kMaxRowsInt4 rows a pass).
 template <int MT, typename S>
 inline void int8_group_tile_dot(const float* x, int64_t K, int64_t G, const int8_t* tile, const S* scale, float* out) {
-  const int64_t groups = (K + G - 1) / G;
 #if TOKENMILL_SIMD
-  Vec acc[MT][kVecs];
-  zero_rows<MT>(acc);
-  for (int64_t g = 0; g < groups; ++g) {
-    Vec part[MT][kVecs];
-    zero_rows<MT>(part);
-    for (int64_t k = g * G; k < std::min(K, (g + 1) * G); ++k) {
+  by_groups<MT>(K, G, out, [&](int64_t k0, int64_t k1, Vec (&part)[MT][kVecs]) {
+    for (int64_t k = k0; k < k1; ++k) {
       Vec xb[MT];
       for (int i = 0; i < MT; ++i) xb[i] = Vec::set1(x[i * K + k]);
       for (int v = 0; v < kVecs; ++v) {
@@ -285,13 +292,14 @@ inline void int8_group_tile_dot(const float* x, int64_t K, int64_t G, const int8
         for (int i = 0; i < MT; ++i) part[i][v] = fmadd(wv, xb[i], part[i][v]);
       }
     }
+  }, [&](int64_t g, const Vec (&part)[MT][kVecs], Vec (&acc)[MT][kVecs]) {
     for (int v = 0; v < kVecs; ++v) {
       const Vec s = Vec::load(scale + g * kTileN + v * W);
       for (int i = 0; i < MT; ++i) acc[i][v] = fmadd(part[i][v], s, acc[i][v]);
     }
-  }
-  store_rows<MT>(acc, out);
+  });
 #else
+  const int64_t groups = (K + G - 1) / G;
   std::fill(out, out + MT * kTileN, 0.f);
   for (int64_t g = 0; g < groups; ++g)
     for (int r = 0; r < kTileN; ++r)
