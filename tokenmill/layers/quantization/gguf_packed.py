@@ -41,6 +41,11 @@ BLOCKS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K":
           "Q6_K": (14, 256, 210)}
 PACKED_TYPES = {type_id: (name, block, size) for name, (type_id, block, size) in BLOCKS.items()}
 FLOAT = 0  # GGML's F32: an unquantized tensor, held as a float tensor in the model dtype
+# Rows up to which gguf_linear.cpp's row-at-a-time kernels run (beyond: dequantize + float GEMM). They
+# dequantize a weight row once per 4 rows of x, so their cost grows with the rows: 3072 x 1024, bf16,
+# Zen 5, kernel against dequantize + GEMM: Q4_K 265 / 366 us at 8 rows, 621 / 440 at 16; Q6_K 566 /
+# 404 at 8, 5,123 / 834 at 64. (The tiled types, TiledSegment, take weight_only.KERNEL_MAX_ROWS.)
+ROWS_KERNEL_MAX_ROWS = 8
 
 
 @dataclass
@@ -134,7 +139,7 @@ def packed_linear(x: torch.Tensor, weight: "GGUFTensor | TiledSegment", bias: to
     if weight.ggml_type == FLOAT:
         return F.linear(x, weight.data.to(x.dtype), bias)
     return quantized_linear(x, bias, lambda rows: cpu_kernels.gguf_linear(rows, weight.data, weight.ggml_type, weight.cols, bias),
-                            weight.dequantize)
+                            weight.dequantize, ROWS_KERNEL_MAX_ROWS)
 
 
 def _placeholder(loader: WeightLoader) -> nn.Parameter:
