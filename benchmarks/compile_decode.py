@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,8 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
-    flags = subprocess.run("lscpu | grep -o 'avx[^ ]*\\|amx[^ ]*\\|fma' | sort -u | tr '\\n' ' '", shell=True,
-                           capture_output=True, text=True).stdout.strip()
+    flags = cpu_kernels.vector_flags()
     print(f"CPU flags: {flags}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     if not cpu_kernels.load_cpu_kernels().available:
         raise SystemExit("tokenmill's CPU kernels are not available: nothing hand-fused to compare against")

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.quantization.unquantized import PackedCPUWeight
 
 
@@ -31,8 +31,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
-    flags = subprocess.run("lscpu | grep -o 'avx[^ ]*\\|amx[^ ]*\\|fma' | sort -u | tr '\\n' ' '", shell=True,
-                           capture_output=True, text=True).stdout.strip()
+    flags = cpu_kernels.vector_flags()
     print(f"CPU flags: {flags}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
 
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(int(b) for b in args.batches.split(",")))

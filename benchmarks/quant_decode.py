@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import cpu as cpu_kernels
 
 
 def method_kwargs(method: str) -> dict:
@@ -38,8 +38,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
-    flags = subprocess.run("lscpu | grep -o 'avx[^ ]*\\|amx[^ ]*\\|fma' | sort -u | tr '\\n' ' '", shell=True,
-                           capture_output=True, text=True).stdout.strip()
+    flags = cpu_kernels.vector_flags()
     print(f"CPU flags: {flags}", flush=True)
     methods = [m.strip() for m in args.methods.split(",")]
     llms = {m: LLM(model=args.model, dtype=args.dtype, max_num_seqs=4, **method_kwargs(m)) for m in methods}

@@ -29,6 +29,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from tokenmill.kernels import cpu as cpu_kernels
+
 
 def server_commands(work: Path, model: str, dtype: str) -> dict[str, Callable[[int], list]]:
     models = work / "models"
@@ -85,8 +87,7 @@ def main() -> None:
     unknown = [n for n in names if n not in commands]
     if unknown:
         raise SystemExit(f"unknown server(s) {', '.join(unknown)}; known: {', '.join(commands)}")
-    flags = subprocess.run("lscpu | grep -o 'avx[^ ]*\\|amx[^ ]*\\|fma' | sort -u | tr '\\n' ' '", shell=True,
-                           capture_output=True, text=True).stdout.strip()
+    flags = cpu_kernels.vector_flags()
     print(f"CPU flags: {flags}", flush=True)
     logs = Path(tempfile.mkdtemp(prefix="quant-served-"))
     procs: dict[str, tuple[int, subprocess.Popen]] = {}

@@ -93,6 +93,12 @@ def _cpu_flags() -> str:
     return ""
 
 
+def vector_flags() -> str:
+    """This CPU's vector-extension flags (avx*, amx*, fma), sorted: what a benchmark prints beside its figures."""
+    names = _cpu_flags().split(":", 1)[-1].split()
+    return " ".join(sorted({f for f in names if f.startswith(("avx", "amx")) or f == "fma"}))
+
+
 def kernel_name() -> str:
     """The kernels' name: a hash of everything that makes a build differ, so a stale one is never loaded."""
     digest = hashlib.sha256()
