@@ -602,28 +602,6 @@ at::Tensor dequantize_transposed(int64_t N, int64_t K, int64_t tiles, const at::
   return out;
 }
 
-// int8_pack's tiles dequantized, transposed: W^T[k, n] = q[n, k] * scale[n], rounded once as
-// quant_utils.dequantize_int8 does.
-at::Tensor int8_dequantize(const at::Tensor& tiles, const at::Tensor& scale, int64_t out_features, const at::Tensor& like) {
-  const int64_t N = out_features, K = tiles.dim() == 3 ? tiles.size(1) : 0;
-  check_packed(tiles, {(N + kTileN - 1) / kTileN, K, kTileN}, at::kChar, N, K, "int8_dequantize", "int8_pack");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
-              "int8_dequantize: scale must be float32 [N]");
-  // The scales padded to whole tiles (the padded rows are never stored).
-  const at::Tensor scale_tiles = at::constant_pad_nd(scale, {0, tiles.size(0) * kTileN - N});
-  const int8_t* wp = tiles.data_ptr<int8_t>();
-  const float* sp = scale_tiles.data_ptr<float>();
-  return dequantize_transposed(N, K, tiles.size(0), like, "int8_dequantize", [&](int64_t t, int64_t k, auto* o) {
-    const int8_t* w = wp + (t * K + k) * kTileN;
-    const float* s = sp + t * kTileN;
-#if TOKENMILL_SIMD
-    for (int v = 0; v < kVecs; ++v) store(o + v * W, tokenmill_cpu::load_int8(w + v * W) * Vec::load(s + v * W));
-#else
-    for (int r = 0; r < kTileN; ++r) o[r] = static_cast<std::remove_pointer_t<decltype(o)>>(static_cast<float>(w[r]) * s[r]);
-#endif
-  });
-}
-
 // int8 with group scales dequantized, transposed: W^T[k, n] = q[n, k] * scale of row n's group of k.
 at::Tensor int8_group_dequantize(const at::Tensor& tiles, const at::Tensor& scale, int64_t group_size, int64_t out_features,
                                  const at::Tensor& like) {
@@ -645,6 +623,18 @@ at::Tensor int8_group_dequantize(const at::Tensor& tiles, const at::Tensor& scal
     });
   });
   return out;
+}
+
+// int8_pack's tiles dequantized, transposed: W^T[k, n] = q[n, k] * scale[n], rounded once as
+// quant_utils.dequantize_int8 does: int8_group_dequantize with one group of all K features.
+at::Tensor int8_dequantize(const at::Tensor& tiles, const at::Tensor& scale, int64_t out_features, const at::Tensor& like) {
+  const int64_t N = out_features, K = tiles.dim() == 3 ? tiles.size(1) : 0;
+  check_packed(tiles, {(N + kTileN - 1) / kTileN, K, kTileN}, at::kChar, N, K, "int8_dequantize", "int8_pack");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "int8_dequantize: scale must be float32 [N]");
+  // The scales padded to whole tiles (the padded rows are never stored), as [tiles, 1 group, kTileN].
+  const at::Tensor scale_tiles = at::constant_pad_nd(scale, {0, tiles.size(0) * kTileN - N}).view({tiles.size(0), 1, kTileN});
+  return int8_group_dequantize(tiles, scale_tiles, std::max<int64_t>(K, 1), N, like);
 }
 
 // int4_pack's tiles dequantized, transposed: W^T[k, n] = q * scale + min of row n's group of k, rounded

@@ -110,7 +110,6 @@ class TiledSegment:
     values as the file's; those kernels stream faster than gguf_linear.cpp's rows."""
 
     tensors: tuple  # the kernel's weight arguments: (tiles, scale, group) or (tiles, scale, min, group)
-    out_features: int
     ggml_type: int  # the file's type
     linear_call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -125,11 +124,11 @@ class TiledSegment:
         if name == "Q8_0":
             q = blocks[..., 2:].contiguous().view(torch.int8).reshape(weight.rows, weight.cols)
             tensors = (*int8_group_tiles(q, scale), values)
-            return cls(tensors, weight.rows, weight.ggml_type, int8_group_linear_call(tensors, weight.rows))
+            return cls(tensors, weight.ggml_type, int8_group_linear_call(tensors, weight.rows))
         minimum = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() if name == "Q4_1" else -8.0 * scale.float()
         nibbles = blocks[..., size - values // 2:].reshape(weight.rows, weight.cols // 2)
         tensors = (*int4_tiles(nibbles, scale.float(), minimum), values)
-        return cls(tensors, weight.rows, weight.ggml_type, int4_linear_call(tensors, weight.rows, on_kernels=True))
+        return cls(tensors, weight.ggml_type, int4_linear_call(tensors, weight.rows, on_kernels=True))
 
 
 def packed_linear(x: torch.Tensor, weight: "GGUFTensor | TiledSegment", bias: torch.Tensor | None) -> torch.Tensor:

@@ -48,15 +48,6 @@ def _use_kernels(x: torch.Tensor, max_rows: int = KERNEL_MAX_ROWS) -> bool:
     return x.shape[0] <= max_rows and cpu_kernels.use_cpu_kernels(x)
 
 
-def _int4_max_rows(x: torch.Tensor) -> int:
-    """int4's kernel rows: every row count for bf16 activations multiplied by pairs (vdpbf16ps, AVX512-BF16),
-    whose kernel keeps up with the prepacked bf16 GEMM (Zen 5, a 1B Llama's 256-token prompt: 648 ms
-    against 577 unquantized and 1,222 through dequantize + GEMM); elsewhere KERNEL_MAX_ROWS."""
-    if x.dtype == torch.bfloat16 and cpu_kernels.cpu_kernels_available() and cpu_kernels.bf16_pairs():
-        return x.shape[0]
-    return KERNEL_MAX_ROWS
-
-
 def _store_int8(layer: nn.Module) -> None:
     store_int8(layer, *quant_utils.quantize_int8(layer.weight.data))
 
@@ -150,11 +141,14 @@ def _int8_rows(qweight: torch.Tensor, scale: torch.Tensor, out_features: int, x:
 
 
 def int4_linear_call(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], out_features: int, on_kernels: bool) -> Callable:
-    """linear_call (x, bias) of an int4 weight held as (int4_tiles or packed, scale, min, group_size)."""
-    general = functools.partial(_int4_rows, quantized, out_features)
+    """linear_call (x, bias) of an int4 weight held as (int4_tiles or packed, scale, min, group_size). bf16
+    activations multiplied by pairs (vdpbf16ps, AVX512-BF16) take the kernel at every row count: it keeps
+    up with the prepacked bf16 GEMM (Zen 5, a 1B Llama's 256-token prompt: 648 ms against 577 unquantized
+    and 1,222 through dequantize + GEMM); other activations up to KERNEL_MAX_ROWS."""
+    any_rows = torch.bfloat16 if on_kernels and cpu_kernels.bf16_pairs() else None
+    general = functools.partial(_int4_rows, quantized, out_features, any_rows)
     if not on_kernels:
         return general
-    any_rows = torch.bfloat16 if cpu_kernels.bf16_pairs() else None  # see _int4_max_rows
     return KernelLinear(torch.ops.tokenmill_cpu.int4_linear.default, (*quantized, out_features), general, any_rows)
 
 
@@ -177,15 +171,15 @@ def int8_group_linear_call(quantized: tuple[torch.Tensor, torch.Tensor, int], ou
     return KernelLinear(torch.ops.tokenmill_cpu.int8_group_linear.default, (*quantized, out_features), general)
 
 
-def _int4_rows(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], out_features: int, x: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
+def _int4_rows(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], out_features: int, any_rows_dtype: torch.dtype | None,
+               x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     def dequantized(dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
         if with_kernels:
             return cpu_kernels.int4_dequantize(*quantized, out_features, dtype)
         return quant_utils.dequantize_int4(*quantized).to(dtype)
 
-    return quantized_linear(x, bias, lambda rows: cpu_kernels.int4_linear(rows, *quantized, out_features, bias), dequantized,
-                            _int4_max_rows(x))
+    max_rows = x.numel() if x.dtype == any_rows_dtype else KERNEL_MAX_ROWS  # x.numel(): at least its rows, so all of them
+    return quantized_linear(x, bias, lambda rows: cpu_kernels.int4_linear(rows, *quantized, out_features, bias), dequantized, max_rows)
 
 
 class Int8LinearMethod(LinearMethodBase):
