@@ -3,7 +3,7 @@
     python benchmarks/quant_decode.py [--model PATH] [--methods "none,int8,int4 g32,int4,gguf"] [--rounds 5] [--tokens 32]
 
 Loads one LLM per method (the default model: the embedded SmolLM2-135M; `gguf` needs a GGUF file;
-"int4 g32" is int4 with groups of 32) and times, round by round and method after method, the
+"int4 g32" is int4 with groups of 32, "gguf float" gguf with float activations) and times, round by round and method after method, the
 generation of 1 and of tokens + 1 tokens after a 32-token prompt (greedy, EOS ignored): the
 difference over `tokens` is the decode time per token, without the prompt. Prints the CPU flags
 and each method's median and its ratio to the first method's, since these machines are shared and
@@ -22,11 +22,19 @@ from tokenmill.kernels import cpu as cpu_kernels
 
 
 def method_kwargs(method: str) -> dict:
-    """ "none", "int8", "int4", "int4 g32", "gguf", "w8a8" -> LLM keyword arguments."""
-    name, _, group = method.partition(" g")
+    """ "none", "int8", "int4", "int4 g32", "gguf", "gguf float" (float activations), "w8a8" -> LLM keyword arguments."""
+    name, *extra = method.split()
     kwargs: dict = {"quantization": None if name == "none" else name}
-    if group:
-        kwargs["quantization_options"] = {"group_size": int(group)}
+    options = {}
+    for word in extra:
+        if word == "float":
+            options["activations"] = "float"
+        elif word.startswith("g") and word[1:].isdigit():
+            options["group_size"] = int(word[1:])
+        else:
+            raise SystemExit(f"unknown method word {word!r} in {method!r}: g<group size> or float")
+    if options:
+        kwargs["quantization_options"] = options
     return kwargs
 
 

@@ -42,11 +42,16 @@ def _model(llm: LLM):
     return llm.llm_engine.executor.driver_runner.model
 
 
+# Q4_0 / Q4_1 against x itself: the very products of the dequantized copy (the default quantizes x to
+# int8 per block of 32, as llama.cpp does: test_int8_activations_are_the_default_and_stay_close).
+FLOAT_ACTIVATIONS = {"activations": "float"}
+
+
 @needs_kernels
 def test_mixed_types_file_computes_its_dequantized_copy(tiny_model_factory, tmp_path):
     path = str(write_gguf(tiny_model_factory("llama_gqa"), tmp_path / "mixed.gguf", quant=mixed_type))
     kw = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=128, block_size=4)
-    packed, reference = LLM(path, quantization="gguf", **kw), LLM(path, **kw)
+    packed, reference = LLM(path, quantization="gguf", quantization_options=FLOAT_ACTIVATIONS, **kw), LLM(path, **kw)
     layer = _model(packed).model.layers[0]
     # Q8_0 / Q4_0 / Q4_1 linear layers move onto the weight-only methods' tiles (TiledSegment), one per run of a type
     assert [(type(s).__name__, s.ggml_type) for s in layer.self_attn.qkv_proj.gguf_segments] == [("TiledSegment", QT.Q4_0), ("TiledSegment", QT.Q8_0)]
@@ -56,6 +61,30 @@ def test_mixed_types_file_computes_its_dequantized_copy(tiny_model_factory, tmp_
     # the LM head's matmul on a tiled copy; the embedding gathers the file's rows
     assert _model(packed).lm_head.gguf_tiled.ggml_type == QT.Q4_1 and _model(packed).model.embed_tokens.gguf_tiled is None
     assert_engine_computes(packed, reference, atol=1e-4)
+
+
+@needs_kernels
+def test_int8_activations_are_the_default_and_stay_close(tiny_model_factory, tmp_path):
+    """By default Q4_0 / Q4_1 layers multiply x quantized to int8 per block of 32 (int4_linear_a8, tested
+    value for value in test_quant_kernels.py); through the whole model the logits stay within the
+    rounding of x: on average 2.4% of their spread here (a random 4-layer model, whose logits
+    have heavy tails), at every chunk size."""
+    from conftest import tokenmill_logits
+
+    path = str(write_gguf(tiny_model_factory("llama_gqa"), tmp_path / "mixed.gguf", quant=mixed_type))
+    kw = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=128, block_size=4)
+    packed, exact = LLM(path, quantization="gguf", **kw), LLM(path, quantization="gguf", quantization_options=FLOAT_ACTIVATIONS, **kw)
+    segments = _model(packed).model.layers[0].self_attn.qkv_proj.gguf_segments
+    assert segments[0].ggml_type == QT.Q4_0 and segments[0].linear_call.op == torch.ops.tokenmill_cpu.int4_linear_a8.default
+    assert segments[1].ggml_type == QT.Q8_0  # Q8_0 keeps float activations
+    prompt = random_prompts([72], seed=5)[0]
+    want = tokenmill_logits(exact, prompt, chunk=72)
+    spread = float(want.std())
+    for chunk in (1, 3, 72):
+        error = (tokenmill_logits(packed, prompt, chunk=chunk) - want).abs()
+        assert 0 < float(error.mean()) < 0.04 * spread
+    with pytest.raises(ValueError, match="gguf's activations option must be one of 'int8', 'float', got 'int4'"):
+        LLM(path, quantization="gguf", quantization_options={"activations": "int4"}, **kw)
 
 
 # A Q4_K_M-like file: Q4_K q/k/gate/up, Q6_K v/down and LM head, Q5_K o_proj, Q8_0 embedding.
@@ -82,11 +111,30 @@ def test_k_quant_file_computes_its_dequantized_copy(tiny_model_factory, tmp_path
     kw = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=128, block_size=4)
     packed, reference = LLM(path, quantization="gguf", **kw), LLM(path, **kw)
     layer = _model(packed).model.layers[0]
-    assert [s.ggml_type for s in layer.self_attn.qkv_proj.gguf_segments] == [QT.Q4_K, QT.Q6_K]
+    assert [(type(s).__name__, s.ggml_type) for s in layer.self_attn.qkv_proj.gguf_segments] == [("GGUFTensor", QT.Q4_K), ("TiledSegment", QT.Q6_K)]
+    assert _model(packed).lm_head.gguf_tiled.ggml_type == QT.Q6_K  # Q6_K on the int8 tiles, groups of 16
     assert [s.ggml_type for s in layer.mlp.gate_up_proj.gguf_segments] == [QT.Q4_K]
     assert layer.self_attn.o_proj.gguf_segments[0].ggml_type == QT.Q5_K
     assert _model(packed).lm_head.weight.gguf.ggml_type == QT.Q6_K
     assert_engine_computes(packed, reference, atol=1e-4)
+
+
+@needs_kernels
+def test_q6_k_on_int8_tiles_keeps_the_files_values():
+    """Q6_K's 6-bit values as int8 and d x sub-scale per 16 as float32: exactly gguf's dequantize."""
+    from gguf.quants import dequantize
+
+    from tokenmill.layers.quantization.gguf_packed import GGUFTensor, TiledSegment, q6_k_values
+
+    rows, cols = 40, 512  # 40: a part tile
+    packed = random_packed(QT.Q6_K, rows, cols, seed=3)
+    want = torch.from_numpy(dequantize(packed, QT.Q6_K).reshape(rows, cols))
+    q, scale = q6_k_values(torch.from_numpy(packed).view(rows, cols // 256, 210))
+    assert q.dtype == torch.int8 and int(q.min()) >= -32 and int(q.max()) <= 31
+    assert torch.equal((q.float().view(rows, -1, 16) * scale.view(rows, -1, 1)).view(rows, cols), want)
+    segment = TiledSegment.of(GGUFTensor(torch.from_numpy(packed), int(QT.Q6_K), cols), int8_activations=True)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(segment.linear_call(x, None), x @ want.T, atol=1e-4, rtol=1e-4)
 
 
 def test_gguf_on_a_checkpoint_that_is_not_gguf_is_a_clear_error(tiny_model_factory):
@@ -106,7 +154,7 @@ def smollm2_pair():
     if path is None or not cpu.cpu_kernels_available():
         pytest.skip("needs the embedded SmolLM2 model and the CPU kernels")
     kw = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=256)
-    return LLM(path, quantization="gguf", **kw), LLM(path, **kw)
+    return LLM(path, quantization="gguf", quantization_options=FLOAT_ACTIVATIONS, **kw), LLM(path, **kw)
 
 
 @pytest.mark.slow

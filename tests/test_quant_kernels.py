@@ -78,6 +78,36 @@ def test_int4_linear_matches_reference(shape, scale_dtype, group_size, symmetric
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("group_size,symmetric", [(32, False), (64, True), (128, False)])
+@pytest.mark.parametrize("shape", [(96, 64), (43, 576), (576, 1536)], ids=str)
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16], ids=str)
+def test_int4_linear_a8_matches_reference(shape, scale_dtype, group_size, symmetric, rows, dtype):
+    """int4 against x quantized to int8 per block of 32 (GGUF Q4_0 / Q4_1 as llama.cpp computes them)."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k + rows + group_size)
+    packed, scale, minimum = Q.quantize_int4(torch.randn(n, k, generator=gen), group_size, symmetric)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    x[0, :32] = 0  # a block of zeros: scale 0
+    bias = torch.randn(n, generator=gen).to(dtype)
+    want = Q.int4_linear_a8_reference(x, packed, scale, minimum, group_size, bias)
+    stored_min = minimum.new_empty(0) if symmetric else minimum  # symmetric: no mins stored, -8 x scale in the kernel
+    tiles = cpu.int4_pack(packed, scale.to(scale_dtype), stored_min.to(scale_dtype))
+    # Two float32 sums (the int4 values against x's int8 blocks, the mins against x) whose terms cancel:
+    # the reference's rounding differs by up to ~1e-3 on K = 1536, where the outputs run to ~50.
+    close = lambda got, want: _close(got, want) if dtype != torch.float32 else torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)  # noqa: E731
+    close(cpu.int4_linear_a8(x, *tiles, group_size, n, bias), want)
+    close(cpu.int4_linear_a8(x, *tiles, group_size, n, None), Q.int4_linear_a8_reference(x, packed, scale, minimum, group_size, None))
+
+
+def test_activations_int8_error_is_at_most_half_a_step():
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)) * 10
+    step = x.view(5, 3, 32).abs().amax(dim=-1, keepdim=True) / 127
+    assert ((Q.quantize_activations_int8(x) - x).view(5, 3, 32).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert torch.equal(Q.quantize_activations_int8(torch.zeros(1, 32)), torch.zeros(1, 32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", [(96, 64), (43, 576), (576, 1536)], ids=str)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16], ids=str)
 def test_int8_group_linear_matches_reference(shape, scale_dtype, rows, dtype):
@@ -164,5 +194,7 @@ def test_bad_shapes_are_errors():
         cpu.int4_linear(torch.randn(2, 64), packed, s, m, 32, 8, None)  # not packed
     with pytest.raises(RuntimeError, match="int4_linear: x has 32 features, the weight 64"):
         cpu.int4_linear(torch.randn(2, 32), *tiles, 32, 8, None)
+    with pytest.raises(RuntimeError, match=r"int4_linear_a8: in_features \(64\) and group size \(16\) must be multiples of 32"):
+        cpu.int4_linear_a8(torch.randn(2, 64), *cpu.int4_pack(packed, s.repeat_interleave(2, dim=1), m.repeat_interleave(2, dim=1)), 16, 8, None)
     with pytest.raises(ValueError, match="divisible by 32"):
         Q.quantize_int4(torch.randn(8, 48), 32, False)

@@ -469,6 +469,13 @@ def int4_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, min_:
     return torch.ops.tokenmill_cpu.int4_linear(x, tiles, scale, min_, group_size, out_features, bias)
 
 
+def int4_linear_a8(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group_size: int, out_features: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """int4_linear with x quantized to int8 per row and block of 32 input features, as llama.cpp computes
+    GGUF's Q4_0 / Q4_1 (in_features and group_size multiples of 32; see decode_linear.cpp)."""
+    return torch.ops.tokenmill_cpu.int4_linear_a8(x, tiles, scale, min_, group_size, out_features, bias)
+
+
 def int8_dequantize(tiles: torch.Tensor, scale: torch.Tensor, out_features: int, dtype: torch.dtype) -> torch.Tensor:
     """The float [N, K] weight of an int8 one packed by int8_pack, in dtype (a transposed view of [K, N]: see decode_linear.cpp)."""
     return torch.ops.tokenmill_cpu.int8_dequantize(tiles, scale, out_features, torch.empty(0, dtype=dtype)).t()

@@ -7,9 +7,10 @@ layer, the embedding and the LM head keep their GGUFTensor; a decode step's few 
 packed kernel, which dequantizes each block in registers to the very float32 values gguf's
 dequantize gives, so the model computes what its dequantized copy computes up to the summation
 order. A prompt chunk (many rows) dequantizes the weight once and runs the float GEMM. Linear
-layers in Q8_0, Q4_0 and Q4_1 move onto the weight-only methods' tiles instead (TiledSegment: the
-same values, their faster kernels, up to 64 rows or, for Q4 in bf16 with AVX512-BF16, every row
-count).
+layers in Q8_0, Q4_0, Q4_1 and Q6_K move onto the weight-only methods' tiles instead (TiledSegment:
+the same values, their faster kernels, up to 64 rows or, for Q4, every row count). Q4_0 / Q4_1
+multiply x quantized to int8 per block of 32, as llama.cpp does (option activations="float" keeps
+x as it is: then the model computes exactly what its dequantized copy does).
 
 Each GGUF row is independent and holds whole blocks, so tensor parallelism splits a packed tensor
 as it splits a float one: output rows for a column-parallel layer, and for a row-parallel one the
@@ -102,33 +103,56 @@ class GGUFTensor:
         return torch.from_numpy(np.ascontiguousarray(dequantize(self.data.numpy(), self.ggml_type))).view(self.rows, self.cols).to(dtype)
 
 
+def q6_k_values(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks [rows, blocks, 210] -> (q [rows, blocks * 256] int8 in -32..31, scale [rows, blocks * 16]
+    float32 per 16 values: d x the block's int8 scale, exact in float32). A block: 128 bytes of low
+    nibbles (ql), 64 of high bit pairs (qh), 16 int8 scales, fp16 d; each half of 128 values takes 64
+    bytes of ql and 32 of qh: values l, l + 32, l + 64, l + 96 (l < 32) are ql[l] & 15, ql[l + 32] &
+    15, ql[l] >> 4, ql[l + 32] >> 4 with qh[l]'s bits 0-1, 2-3, 4-5, 6-7 on top, minus 32."""
+    rows, count = blocks.shape[:2]
+    ql, qh = blocks[..., :128].view(rows, count, 2, 2, 32), blocks[..., 128:192].view(rows, count, 2, 1, 32)
+    low = torch.stack([ql & 15, ql >> 4], dim=3).view(rows, count, 2, 4, 32)  # [.., half, value l + 32 j]
+    high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=3)
+    q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).view(rows, count * 256)
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()
+    return q, (scales * d).view(rows, count * 16)
+
+
 @dataclass
 class TiledSegment:
-    """A Q8_0, Q4_0 or Q4_1 tensor moved onto the weight-only methods' tiles (decode_linear.cpp): Q8_0's
-    int8 values with their fp16 scale per block (int8_group_linear), Q4_0/Q4_1's nibbles as they are with
-    their fp16 scales and mins (the int4 method's kernels; Q4_0's min is -8 times its scale). The same
-    values as the file's; those kernels stream faster than gguf_linear.cpp's rows."""
+    """A Q8_0, Q4_0, Q4_1 or Q6_K tensor moved onto the weight-only methods' tiles (decode_linear.cpp):
+    Q8_0's int8 values with their fp16 scale per block (int8_group_linear), Q4_0/Q4_1's nibbles as they
+    are with their fp16 scales and mins (the int4 method's kernels, on x quantized to int8 per block of
+    32, as llama.cpp computes them; Q4_0's min is -8 times its scale), Q6_K's values as int8 with a
+    float32 scale per 16 (10 bits a weight against the file's 6.56: its row kernel streams at a third
+    of the speed). The same weights as the file's; those kernels stream faster than gguf_linear.cpp's rows."""
 
     tensors: tuple  # the kernel's weight arguments: (tiles, scale, group) or (tiles, scale, min, group)
     ggml_type: int  # the file's type
     linear_call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
     @classmethod
-    def of(cls, weight: GGUFTensor) -> "TiledSegment | None":
-        """The tiles of a Q8_0 / Q4_0 / Q4_1 tensor where the CPU kernels run; None for other types."""
+    def of(cls, weight: GGUFTensor, int8_activations: bool) -> "TiledSegment | None":
+        """The tiles of a Q8_0 / Q4_0 / Q4_1 / Q6_K tensor where the CPU kernels run; None for other types.
+        int8_activations: Q4_0 / Q4_1 against x quantized to int8 (int4_linear_a8), else against x as it is."""
         name, values, size = PACKED_TYPES.get(weight.ggml_type, (None, 0, 0))
-        if name not in ("Q8_0", "Q4_0", "Q4_1") or not cpu_kernels.cpu_kernels_available():
+        if name not in ("Q8_0", "Q4_0", "Q4_1", "Q6_K") or not cpu_kernels.cpu_kernels_available():
             return None
         blocks = weight.data.contiguous().view(weight.rows, weight.cols // values, size)
-        scale = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
-        if name == "Q8_0":
-            q = blocks[..., 2:].contiguous().view(torch.int8).reshape(weight.rows, weight.cols)
-            tensors = (*int8_group_tiles(q, scale), values)
+        if name in ("Q8_0", "Q6_K"):
+            if name == "Q8_0":
+                q, scale, group = blocks[..., 2:].contiguous().view(torch.int8).reshape(weight.rows, weight.cols), \
+                    blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1), values
+            else:
+                (q, scale), group = q6_k_values(blocks), 16
+            tensors = (*int8_group_tiles(q, scale), group)
             return cls(tensors, weight.ggml_type, int8_group_linear_call(tensors, weight.rows))
+        scale = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
         minimum = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() if name == "Q4_1" else -8.0 * scale.float()
         nibbles = blocks[..., size - values // 2:].reshape(weight.rows, weight.cols // 2)
         tensors = (*int4_tiles(nibbles, scale.float(), minimum), values)
-        return cls(tensors, weight.ggml_type, int4_linear_call(tensors, weight.rows, on_kernels=True))
+        return cls(tensors, weight.ggml_type, int4_linear_call(tensors, weight.rows, on_kernels=True, int8_activations=int8_activations))
 
 
 def packed_linear(x: torch.Tensor, weight: "GGUFTensor | TiledSegment", bias: torch.Tensor | None) -> torch.Tensor:
@@ -149,6 +173,9 @@ def _placeholder(loader: WeightLoader) -> nn.Parameter:
 
 
 class GGUFLinearMethod(LinearMethodBase):
+    def __init__(self, int8_activations: bool) -> None:
+        self.int8_activations = int8_activations
+
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
         self.dtype = torch.get_default_dtype()  # the model's, while it is built
         layer.weight = _placeholder(lambda param, loaded, shard_id=None: self._load(layer, loaded, shard_id))
@@ -186,7 +213,7 @@ class GGUFLinearMethod(LinearMethodBase):
                 segments[-1] = GGUFTensor(torch.cat([last.data, shard.data]), last.ggml_type, last.cols)
             else:
                 segments.append(shard)
-        layer.gguf_segments = [TiledSegment.of(segment) or segment for segment in segments]
+        layer.gguf_segments = [TiledSegment.of(segment, self.int8_activations) or segment for segment in segments]
         del layer.gguf_shards
         single = len(segments) == 1 and isinstance(layer.gguf_segments[0], GGUFTensor)
         layer.weight.data = segments[0].data if single else torch.empty(0, dtype=torch.uint8)
@@ -202,11 +229,13 @@ class GGUFLinearMethod(LinearMethodBase):
 class GGUFEmbeddingMethod(EmbeddingMethodBase):
     """The token embedding (rows dequantized as they are looked up) and the LM head (the packed
     linear). The GGUFTensor rides on the weight Parameter, so a tied LM head, which shares the
-    embedding's Parameter, reads it too. An LM head in Q8_0 / Q4_0 / Q4_1 also keeps a TiledSegment
-    copy for its matmul (a tied one: the embedding keeps gathering the file's rows), e.g. SmolLM2's
-    Q8_0 head: 30 MB more, its logits ~2x faster than gguf_linear.cpp's rows."""
+    embedding's Parameter, reads it too. An LM head in Q8_0 / Q4_0 / Q4_1 / Q6_K also keeps a
+    TiledSegment copy for its matmul (a tied one: the embedding keeps gathering the file's rows), e.g.
+    SmolLM2's Q8_0 head: 30 MB more, its logits ~2x faster than gguf_linear.cpp's rows; a 1B Llama's
+    Q6_K head (49152 x 2048): 123 MB beside the file's 82, 3.69 -> 3.05 ms a token."""
 
-    def __init__(self, lm_head: bool = False) -> None:
+    def __init__(self, lm_head: bool = False, int8_activations: bool = True) -> None:
+        self.int8_activations = int8_activations
         self.lm_head = lm_head
 
     def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int, weight_loader: WeightLoader) -> None:
@@ -231,7 +260,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         gguf = getattr(layer.weight, "gguf", None)
-        layer.gguf_tiled = TiledSegment.of(gguf) if self.lm_head and gguf is not None else None
+        layer.gguf_tiled = TiledSegment.of(gguf, self.int8_activations) if self.lm_head and gguf is not None else None
 
     def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         if layer.gguf_tiled is not None:
@@ -240,12 +269,21 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
 
 
 class GGUFConfig(QuantizationConfig):
-    """Every linear layer, the embedding and the LM head as the GGUF file holds them."""
+    """Every linear layer, the embedding and the LM head as the GGUF file holds them. activations
+    ("int8", the default, or "float"): what Q4_0 / Q4_1 layers multiply, x quantized to int8 per block
+    of 32 as llama.cpp does (int4_linear_a8: its speed, and its rounding of x), or x itself (the very
+    products of the file's dequantized weights)."""
 
     name = "gguf"
+    ACTIVATIONS = ("int8", "float")
+
+    def __init__(self, activations: str = "int8") -> None:
+        if activations not in self.ACTIVATIONS:
+            raise ValueError(f"gguf's activations option must be one of {', '.join(map(repr, self.ACTIVATIONS))}, got {activations!r}")
+        self.int8_activations = activations == "int8"
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
-        return GGUFLinearMethod()
+        return GGUFLinearMethod(self.int8_activations)
 
     def embedding_method(self, prefix: str) -> EmbeddingMethodBase:
-        return GGUFEmbeddingMethod(lm_head=is_lm_head(prefix))
+        return GGUFEmbeddingMethod(lm_head=is_lm_head(prefix), int8_activations=self.int8_activations)

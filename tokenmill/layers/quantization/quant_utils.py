@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 INT4_BLOCK = 32  # weights per 16-byte block of the packed int4 layout
+ACTIVATION_BLOCK = 32  # input features per int8 scale of activations quantized at run time (int4_linear_a8)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,3 +106,22 @@ def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
                           bias: torch.Tensor | None) -> torch.Tensor:
     """What the int4 kernel computes, in plain PyTorch."""
     return _float32_linear(x, dequantize_int4(packed, scale, minimum, group_size), bias)
+
+
+def quantize_activations_int8(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K a multiple of ACTIVATION_BLOCK) quantized per row and block of 32 features as
+    int4_linear_a8 and llama.cpp's Q8_0 do, dx = absmax / 127, q = round(x * (1 / dx)): the float32
+    values q * dx it stands for."""
+    rows, k = x.shape
+    blocks = x.float().view(rows, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse) * d).view(rows, k)
+
+
+def int4_linear_a8_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int,
+                             bias: torch.Tensor | None) -> torch.Tensor:
+    """What int4_linear_a8 computes, in plain PyTorch: the int4 weight against x quantized to int8
+    (quantize_activations_int8), its mins included."""
+    y = F.linear(quantize_activations_int8(x), dequantize_int4(packed, scale, minimum, group_size), None if bias is None else bias.float())
+    return y.to(x.dtype)

@@ -109,19 +109,19 @@ def quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel: Callabl
 
 class KernelLinear:
     """A quantized layer's linear on the CPU kernels with its weight arguments bound once: 2-D contiguous
-    rows, up to KERNEL_MAX_ROWS of them (any number in `any_rows_dtype`), call the op straight away;
+    rows, up to KERNEL_MAX_ROWS of them (any number in the `any_rows_dtypes`), call the op straight away;
     anything else takes `general` (x, bias). Set on the layer as `linear_call` (a plain attribute, not a
     buffer: nn.Module's attribute lookup costs ~0.5 us each). The general path's checks, lookups and op
     resolution cost ~5 us a call: measured on SmolLM2 with int4 (Zen 5), 2.04 ms a token of everything
     but the matmuls against 1.44 ms unquantized, at 121 calls a token."""
 
-    __slots__ = ("op", "weights", "general", "any_rows_dtype")
+    __slots__ = ("op", "weights", "general", "any_rows_dtypes")
 
-    def __init__(self, op: Callable, weights: tuple, general: Callable, any_rows_dtype: torch.dtype | None = None) -> None:
-        self.op, self.weights, self.general, self.any_rows_dtype = op, weights, general, any_rows_dtype
+    def __init__(self, op: Callable, weights: tuple, general: Callable, any_rows_dtypes: tuple[torch.dtype, ...] = ()) -> None:
+        self.op, self.weights, self.general, self.any_rows_dtypes = op, weights, general, any_rows_dtypes
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dim() == 2 and (x.shape[0] <= KERNEL_MAX_ROWS or x.dtype == self.any_rows_dtype) and x.is_contiguous():
+        if x.dim() == 2 and (x.shape[0] <= KERNEL_MAX_ROWS or x.dtype in self.any_rows_dtypes) and x.is_contiguous():
             return self.op(x, *self.weights, bias)
         return self.general(x, bias)
 
@@ -140,16 +140,28 @@ def _int8_rows(qweight: torch.Tensor, scale: torch.Tensor, out_features: int, x:
     return quantized_linear(x, bias, lambda rows: cpu_kernels.int8_linear(rows, qweight, scale, out_features, bias), dequantized)
 
 
-def int4_linear_call(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], out_features: int, on_kernels: bool) -> Callable:
-    """linear_call (x, bias) of an int4 weight held as (int4_tiles or packed, scale, min, group_size). bf16
-    activations multiplied by pairs (vdpbf16ps, AVX512-BF16) take the kernel at every row count: it keeps
-    up with the prepacked bf16 GEMM (Zen 5, a 1B Llama's 256-token prompt: 648 ms against 577 unquantized
-    and 1,222 through dequantize + GEMM); other activations up to KERNEL_MAX_ROWS."""
-    any_rows = torch.bfloat16 if on_kernels and cpu_kernels.bf16_pairs() else None
-    general = functools.partial(_int4_rows, quantized, out_features, any_rows)
+def int4_linear_call(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], out_features: int, on_kernels: bool,
+                     int8_activations: bool = False) -> Callable:
+    """linear_call (x, bias) of an int4 weight held as (int4_tiles or packed, scale, min, group_size).
+    int8_activations: x quantized to int8 per block of 32 features (int4_linear_a8, as llama.cpp computes
+    Q4_0), the kernel at every row count in every dtype: a 1B Llama's 8192 x 2048 gate-up in Q4_0 (Zen 5,
+    bf16, us, int4_linear_a8 against the prepacked bf16 GEMM of the float weight): 88 / 333 at 1 row, 516
+    / 837 at 16, 7,932 / 8,649 at 256; float32 at 256: 9,376 / 48,584. Otherwise bf16 activations
+    multiplied by pairs (vdpbf16ps, AVX512-BF16) take the kernel at every row count: it keeps up with the
+    prepacked bf16 GEMM (a 1B Llama's 256-token prompt: 648 ms against 577 unquantized and 1,222 through
+    dequantize + GEMM); other activations up to KERNEL_MAX_ROWS."""
+    if not on_kernels:
+        any_rows: tuple[torch.dtype, ...] = ()
+    elif int8_activations:
+        any_rows = (torch.float32, torch.bfloat16, torch.float16)
+    else:
+        any_rows = (torch.bfloat16,) if cpu_kernels.bf16_pairs() else ()
+    kernel = cpu_kernels.int4_linear_a8 if int8_activations else cpu_kernels.int4_linear
+    general = functools.partial(_int4_rows, quantized, out_features, any_rows, kernel)
     if not on_kernels:
         return general
-    return KernelLinear(torch.ops.tokenmill_cpu.int4_linear.default, (*quantized, out_features), general, any_rows)
+    op = torch.ops.tokenmill_cpu.int4_linear_a8 if int8_activations else torch.ops.tokenmill_cpu.int4_linear
+    return KernelLinear(op.default, (*quantized, out_features), general, any_rows)
 
 
 def int8_group_tiles(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,15 +183,15 @@ def int8_group_linear_call(quantized: tuple[torch.Tensor, torch.Tensor, int], ou
     return KernelLinear(torch.ops.tokenmill_cpu.int8_group_linear.default, (*quantized, out_features), general)
 
 
-def _int4_rows(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], out_features: int, any_rows_dtype: torch.dtype | None,
-               x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _int4_rows(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], out_features: int, any_rows_dtypes: tuple[torch.dtype, ...],
+               kernel: Callable, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     def dequantized(dtype: torch.dtype, with_kernels: bool) -> torch.Tensor:
         if with_kernels:
             return cpu_kernels.int4_dequantize(*quantized, out_features, dtype)
         return quant_utils.dequantize_int4(*quantized).to(dtype)
 
-    max_rows = x.numel() if x.dtype == any_rows_dtype else KERNEL_MAX_ROWS  # x.numel(): at least its rows, so all of them
-    return quantized_linear(x, bias, lambda rows: cpu_kernels.int4_linear(rows, *quantized, out_features, bias), dequantized, max_rows)
+    max_rows = x.numel() if x.dtype in any_rows_dtypes else KERNEL_MAX_ROWS  # x.numel(): at least its rows, so all of them
+    return quantized_linear(x, bias, lambda rows: kernel(rows, *quantized, out_features, bias), dequantized, max_rows)
 
 
 class Int8LinearMethod(LinearMethodBase):
