@@ -322,11 +322,6 @@ void quantize_rows_a8(const float* x, int64_t M, int64_t K, int64_t G, int8_t* x
 using LaneBytes = __m512i;
 inline LaneBytes low_nibbles(LaneBytes v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 inline LaneBytes high_nibbles(LaneBytes v) { return _mm512_and_si512(_mm512_srli_epi32(v, 4), _mm512_set1_epi8(0x0F)); }
-inline LaneBytes broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
 // acc + per int32 lane the sum of its 4 products u8 (w) x s8 (x).
 inline LaneBytes dot_u8s8(LaneBytes acc, LaneBytes w, LaneBytes x) {
 #if defined(__AVX512VNNI__)
@@ -342,11 +337,6 @@ inline Vec lanes_as_float(LaneBytes a) { return {_mm512_cvtepi32_ps(a)}; }
 using LaneBytes = __m256i;
 inline LaneBytes low_nibbles(LaneBytes v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline LaneBytes high_nibbles(LaneBytes v) { return _mm256_and_si256(_mm256_srli_epi32(v, 4), _mm256_set1_epi8(0x0F)); }
-inline LaneBytes broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
 inline LaneBytes dot_u8s8(LaneBytes acc, LaneBytes w, LaneBytes x) {
 #if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, w, x);
@@ -355,6 +345,14 @@ inline LaneBytes dot_u8s8(LaneBytes acc, LaneBytes w, LaneBytes x) {
 #endif
 }
 inline Vec lanes_as_float(LaneBytes a) { return {_mm256_cvtepi32_ps(a)}; }
+#endif
+#if TOKENMILL_SIMD
+// 4 activation bytes in every 32-bit lane.
+inline LaneBytes broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return tokenmill_cpu::IVec::set1(v).v;
+}
 #endif
 
 // MT rows of xq (quantize_rows_a8; K and G multiples of kXBlock) against one tile: out as int4_tile_dot.

@@ -140,19 +140,22 @@ class TiledSegment:
         if name not in ("Q8_0", "Q4_0", "Q4_1", "Q6_K") or not cpu_kernels.cpu_kernels_available():
             return None
         blocks = weight.data.contiguous().view(weight.rows, weight.cols // values, size)
-        if name in ("Q8_0", "Q6_K"):
-            if name == "Q8_0":
-                q, scale, group = blocks[..., 2:].contiguous().view(torch.int8).reshape(weight.rows, weight.cols), \
-                    blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1), values
-            else:
-                (q, scale), group = q6_k_values(blocks), 16
-            tensors = (*int8_group_tiles(q, scale), group)
-            return cls(tensors, weight.ggml_type, int8_group_linear_call(tensors, weight.rows))
+        if name == "Q6_K":
+            return cls._on_int8_tiles(weight, *q6_k_values(blocks), group=16)
         scale = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+        if name == "Q8_0":
+            q = blocks[..., 2:].contiguous().view(torch.int8).reshape(weight.rows, weight.cols)
+            return cls._on_int8_tiles(weight, q, scale, group=values)
         minimum = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() if name == "Q4_1" else -8.0 * scale.float()
         nibbles = blocks[..., size - values // 2:].reshape(weight.rows, weight.cols // 2)
         tensors = (*int4_tiles(nibbles, scale.float(), minimum), values)
         return cls(tensors, weight.ggml_type, int4_linear_call(tensors, weight.rows, on_kernels=True, int8_activations=int8_activations))
+
+    @classmethod
+    def _on_int8_tiles(cls, weight: GGUFTensor, q: torch.Tensor, scale: torch.Tensor, group: int) -> "TiledSegment":
+        """int8 values q [rows, cols] with a scale per row and group of `group` values (int8_group_linear)."""
+        tensors = (*int8_group_tiles(q, scale), group)
+        return cls(tensors, weight.ggml_type, int8_group_linear_call(tensors, weight.rows))
 
 
 def packed_linear(x: torch.Tensor, weight: "GGUFTensor | TiledSegment", bias: torch.Tensor | None) -> torch.Tensor:
@@ -234,7 +237,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
     SmolLM2's Q8_0 head: 30 MB more, its logits ~2x faster than gguf_linear.cpp's rows; a 1B Llama's
     Q6_K head (49152 x 2048): 123 MB beside the file's 82, 3.69 -> 3.05 ms a token."""
 
-    def __init__(self, lm_head: bool = False, int8_activations: bool = True) -> None:
+    def __init__(self, lm_head: bool, int8_activations: bool) -> None:
         self.int8_activations = int8_activations
         self.lm_head = lm_head
 
