@@ -6,8 +6,8 @@ Loads one LLM per method (the default model: the embedded SmolLM2-135M; `gguf` n
 "int4 g32" is int4 with groups of 32, "gguf float" gguf with float activations) and times, round by round and method after method, the
 generation of 1 and of tokens + 1 tokens after a 32-token prompt (greedy, EOS ignored): the
 difference over `tokens` is the decode time per token, without the prompt. Prints the CPU flags
-and each method's median and its ratio to the first method's, since these machines are shared and
-noisy and only same-process alternating ratios mean anything. `python benchmarks/peers.py --steps
+and each method's median, its ratio to the first method's and the median of the rounds' ratios,
+since these machines are shared and noisy and only same-process alternating ratios mean anything. `python benchmarks/peers.py --steps
 model --models llama1b` builds the 1B Llama this was measured on besides SmolLM2.
 """
 
@@ -67,8 +67,11 @@ def main() -> None:
     base = statistics.median(times[methods[0]])
     for method in methods:
         median = statistics.median(times[method])
-        print(f"{method:>10}: {median:6.2f} ms per token ({base / median:.2f}x {methods[0]}); rounds: "
-              f"{', '.join(f'{t:.2f}' for t in times[method])}", flush=True)
+        # The memory's speed drifts within minutes here: each round's ratio compares times taken
+        # seconds apart, so their median is steadier than the ratio of the two medians.
+        per_round = statistics.median(b / t for b, t in zip(times[methods[0]], times[method]))
+        print(f"{method:>10}: {median:6.2f} ms per token ({base / median:.2f}x {methods[0]}, median of the rounds' "
+              f"ratios {per_round:.2f}x); rounds: {', '.join(f'{t:.2f}' for t in times[method])}", flush=True)
 
 
 if __name__ == "__main__":
