@@ -18,7 +18,9 @@ For each layer shape and number of rows M, microseconds per call (median of time
                so not what w8a8 computes; for scale)
   w8a16        tokenmill's `int8` decode kernel (decode_linear.cpp, float activations), up to 16 rows
   w8a8         tokenmill's kernel (kernels/cpu/int8_gemm.cpp), quantize and rescale included,
-               where it is built (bf16 activations in, bf16 out)
+               where it is built (bf16 activations in, bf16 out), activation scales per token
+               and group of 128 inputs (the default)
+  w8a8 token   the same with one activation scale per token (activation_group_size 0)
 
 torch._int_mm calls oneDNN only on CPUs with AVX512-VNNI (ATen's _int_mm_out_cpu); elsewhere it
 runs a scalar triple loop, which ONEDNN_MAX_CPU_ISA does not change.
@@ -38,6 +40,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+from tokenmill.layers.quantization.w8a8 import ACTIVATION_GROUP_SIZE
 
 # (name, N, K): SmolLM2-135M (hidden 576, intermediate 1536, 9 query and 3 KV heads of 64).
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
@@ -114,8 +118,9 @@ def candidates(x: torch.Tensor, w: torch.Tensor, only: str | None):
         if x.shape[0] <= 16:
             qw_tiles = cpu.int8_pack(qw)
             yield "w8a16", lambda: cpu.int8_linear(xb, qw_tiles, ws, qw.shape[0], None)
-        packed_w, colsum = cpu.w8a8_pack(qw)
-        yield "w8a8", lambda: cpu.w8a8_linear(xb, packed_w, colsum, ws, None)
+        for group, label in ((ACTIVATION_GROUP_SIZE, "w8a8"), (0, "w8a8 token")):
+            packed_w, colsum = cpu.w8a8_pack(qw, group)
+            yield label, lambda p=packed_w, c=colsum, g=group: cpu.w8a8_linear(xb, p, c, ws, None, g)
 
 
 def main() -> None:

@@ -218,7 +218,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     res[f"dense_linear.{name}"] = cpu.dense_linear(xq, cpu.dense_pack(torch.randn(43, 576).to(dtype)), 43, None)
     res[f"int8_linear.{name}"] = cpu.int8_linear(xq, cpu.int8_pack(quant["int8"][0]), quant["int8"][1], quant["int8"][0].shape[0], None)
     res[f"int4_linear.{name}"] = cpu.int4_linear(xq, *cpu.int4_pack(*quant["int4"]), 128, quant["int4"][0].shape[0], None)
-    res[f"w8a8_linear.{name}"] = cpu.w8a8_linear(torch.randn(7, 576).to(dtype), *cpu.w8a8_pack(quant["int8"][0]), quant["int8"][1], None)
+    res[f"w8a8_linear.{name}"] = cpu.w8a8_linear(torch.randn(7, 576).to(dtype), *cpu.w8a8_pack(quant["int8"][0], 128), quant["int8"][1], None, 128)
     for qtype in (2, 3, 8, 12, 13, 14):  # gguf Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: random valid blocks
         packed = torch.from_numpy(random_packed(gguf.GGMLQuantizationType(qtype), 48, 512, seed=qtype))
         res[f"gguf_linear_{qtype}.{name}"] = cpu.gguf_linear(torch.randn(3, 512).to(dtype), packed, qtype, 512, None)

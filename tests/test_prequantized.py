@@ -426,7 +426,7 @@ def test_compressed_tensors_w8a16_computes_its_dequantized_model(tmp_path, per_t
 
 @needs_kernels
 def test_compressed_tensors_w8a8_computes_what_w8a8_computes(tmp_path):
-    """Dynamic per-token activations: the reference is `w8a8` on the dequantized model, whose per-channel
+    """Dynamic per-token activations: the reference is `w8a8` with one activation scale per token on the dequantized model, whose per-channel
     requantization gives back the checkpoint's integers (every row reaches +-127) and scales. Compared
     chunking for chunking: rounding activations to int8 turns the float32 difference between the decode
     and prompt paths into a step now and then (0.1 in a logit here, in the reference alone)."""
@@ -435,7 +435,7 @@ def test_compressed_tensors_w8a8_computes_what_w8a8_computes(tmp_path):
     from tokenmill.layers.quantization.w8a8 import W8A8LinearMethod
 
     quantized, reference = _checkpoints(tmp_path, lambda n, w: ct_w8_layer(w, False), ct_config(W8_WEIGHTS, W8_TOKEN_ACTS, "int-quantized"))
-    llm, ref = _llm(quantized), _llm(reference, quantization="w8a8")
+    llm, ref = _llm(quantized), _llm(reference, quantization="w8a8", quantization_options={"activation_group_size": 0})
     assert isinstance(llm.llm_engine.executor.driver_runner.model.model.layers[0].self_attn.qkv_proj.method.compute, W8A8LinearMethod)
     prompt = random_prompts([40], seed=5)[0]
     for chunk in (1, 3, 64):
@@ -512,5 +512,5 @@ def test_compressed_tensors_w8a8_weights_at_minus_128_are_clamped(caplog):
         layer.method.process_weights_after_loading(layer)
     assert "1 weights at -128 clamped to -127" in caplog.text
     x = torch.randn(5, 64, generator=gen)
-    want = w8a8_linear_reference(x, q.clamp(min=-127), scale.half().float().reshape(-1), None)
+    want = w8a8_linear_reference(x, q.clamp(min=-127), scale.half().float().reshape(-1), None, group_size=0)  # per token, as the checkpoint says
     torch.testing.assert_close(layer(x), want, atol=1e-6, rtol=1e-6)

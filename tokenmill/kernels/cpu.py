@@ -497,20 +497,23 @@ def gguf_dequantize(w: torch.Tensor, ggml_type: int, in_features: int, dtype: to
     return torch.ops.tokenmill_cpu.gguf_dequantize(w, ggml_type, in_features, torch.empty(0, dtype=dtype))
 
 
-def w8a8_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An int8 weight [N, K] (-127..127) in the W8A8 GEMM's panel layout, and each channel's sum (see int8_gemm.cpp)."""
-    return torch.ops.tokenmill_cpu.w8a8_pack(w)
+def w8a8_pack(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 weight [N, K] (-127..127) in the W8A8 GEMM's panel layout, and each channel's sum per
+    activation group of group_size inputs ([groups, N]; 0: one group, per token) (see int8_gemm.cpp)."""
+    return torch.ops.tokenmill_cpu.w8a8_pack(w, group_size)
 
 
-def w8a8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8 of x [M, K]: (q int8 [M, K], scale float32 [M]), absmax / 127 per row."""
-    return torch.ops.tokenmill_cpu.w8a8_quantize(x)
+def w8a8_quantize(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of x [M, K] per row and group of group_size (0: the whole row): (q int8 [M, K],
+    scale float32 [M, groups]), absmax / 127 per group."""
+    return torch.ops.tokenmill_cpu.w8a8_quantize(x, group_size)
 
 
 def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, colsum: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] quantized per row, times the packed int8 weight, rescaled: [M, N] in x's dtype (see int8_gemm.cpp)."""
-    return torch.ops.tokenmill_cpu.w8a8_linear(x, packed, colsum, w_scale, bias)
+                bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """x [M, K] quantized per row and group, times the packed int8 weight (w8a8_pack with the same
+    group_size), rescaled: [M, N] in x's dtype (see int8_gemm.cpp)."""
+    return torch.ops.tokenmill_cpu.w8a8_linear(x, packed, colsum, w_scale, bias, group_size)
 
 
 def w8a8_isa() -> str:

@@ -1,5 +1,11 @@
 // W8A8 linear layers (CPU): y = x W^T + b with W int8 per output channel and x quantized to int8
-// per row (token) at run time, an int8 x int8 -> int32 GEMM, then y = acc * x_scale[m] * w_scale[n].
+// per row (token) and group of G input features at run time (G = K: one scale per token), an int8 x
+// int8 -> int32 GEMM per group, then y = (sum over groups of acc_g * x_scale[m, g]) * w_scale[n].
+//
+// Why groups: one scale per token leaves a model with outlier channels few levels for the rest of
+// a row (SmolLM2-135M: qkv_proj's input reaches 5-8 in a few channels against a median absmax of
+// 0.3-1; +8% perplexity); a scale per 128 channels of a token (vLLM's per-token-group scales, as
+// its block-int8 and fp8 methods quantize activations) keeps them apart (+0.3%).
 //
 // Why not torch._int_mm: on CPU it calls oneDNN only where the CPU has AVX512-VNNI and otherwise
 // runs a plain triple loop (ATen's _int_mm_out_cpu), so AVX2-only CPUs would get a scalar GEMM;
@@ -11,15 +17,17 @@
 //              packed[p][g][c][j] = q[p * kPanel + c][4 g + j]   (zero past N and past K)
 //            so one vector load gives 4 consecutive k of kLanes channels, which is what one
 //            VNNI / maddubs+madd step multiplies against 4 activation bytes broadcast to every lane.
-//            w8a8_pack also returns each channel's sum of q (for the VNNI offset below).
-//   activations  per row: scale = absmax / 127 (at least FLT_MIN), q = round_half_even(x / scale)
-//            clamped to -127..127; one pass over each row (absmax, then divide and round while the
-//            row is still in L1), all rows once per call, before the GEMM.
+//            w8a8_pack also returns each channel's sum of q per group of G inputs (for the VNNI
+//            offset below), [groups, N] int32.
+//   activations  per row and group of G: scale = absmax / 127 (at least FLT_MIN), q =
+//            round_half_even(x / scale) clamped to -127..127 (the last group may be shorter); one
+//            pass over each group (absmax, then divide and round while it is still in L1), all
+//            rows once per call, before the GEMM. G is a multiple of 4 (one quad of k per step).
 //
 // The integer multiply, by build (vec.h's TOKENMILL_SIMD and the target's macros):
 //   AVX512-VNNI  _mm512_dpbusd_epi32 multiplies u8 by s8: activations are stored as q + 128 (1..255)
-//                and each channel's result is corrected by 128 * sum_k q_w[n, k] (the standard
-//                trick, exact: VNNI accumulates 4 products into int32 without saturation).
+//                and each channel's result is corrected by 128 * sum_k q_w[n, k] over the group
+//                (the standard trick, exact: VNNI accumulates 4 products into int32 without saturation).
 //   AVX512BW, AVX2  _mm_maddubs_epi16 (u8 x s8 -> pairs summed into saturating int16) then
 //                _mm_madd_epi16 by ones (-> int32). With |q| <= 127 on both sides, the sign trick
 //                (llama.cpp's): multiply |x| by w with x's sign moved onto it; every pair sum is at
@@ -27,9 +35,10 @@
 //                activations is given up (7-bit activations would cost accuracy; this costs one
 //                extra op per multiply).
 //   scalar       the same packed layout in plain loops (the reference of the layout).
-// Every build computes the exact int32 sums, and the same float32 epilogue
-//   y = float(acc) * w_scale[n] * x_scale[m] + bias[n]   (three roundings, in this order),
-// rounded once to x's dtype: all builds give the same bits, and so does the PyTorch reference.
+// Every build computes the exact int32 sums per group, and the same float32 arithmetic after them
+//   s = 0; for each group g: s = s + float(acc_g) * x_scale[m, g];  y = s * w_scale[n] + bias[n]
+// (a rounding per operation, in this order, no fused multiply-adds), rounded once to x's dtype:
+// all builds give the same bits, and so does the PyTorch reference.
 //
 //   (AVX-512F without BW, which no x86-64-v4 CPU is, takes the scalar loops.)
 //
@@ -182,9 +191,9 @@ inline void store_q8(uint8_t* dst, Vec v, int offset) {
 }
 #endif
 
-// Quantizes one row of K values into q[0, Kp) (bytes past K hold the quantized zero) and returns its scale.
+// Quantizes one group of K values into q[0, Kp) (bytes past K hold the quantized zero) and returns its scale.
 template <typename T>
-float quantize_row(const T* x, int64_t K, int64_t Kp, uint8_t* q, int offset) {
+float quantize_group(const T* x, int64_t K, int64_t Kp, uint8_t* q, int offset) {
   float amax = 0.f;
   int64_t k = 0;
 #if defined(W8A8_SIMD)
@@ -211,28 +220,33 @@ float quantize_row(const T* x, int64_t K, int64_t Kp, uint8_t* q, int offset) {
   return scale;
 }
 
+// Every row of x [M, K] per group of G: q [M, Kp] (the padding in the last group), scales [M, groups].
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, uint8_t* q, float* scales, int offset) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t G, uint8_t* q, float* scales, int offset) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), groups = (K + G - 1) / G;
   at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) scales[m] = quantize_row(x + m * K, K, Kp, q + m * Kp, offset);
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
+        scales[m * groups + g] = quantize_group(x + m * K + k0, k1 - k0, (g + 1 == groups ? Kp : k1) - k0, q + m * Kp + k0, offset);
+      }
   });
 }
 
 // ---- the GEMM -----------------------------------------------------------------------------------
 
 struct Epilogue {
-  const int32_t* comp;    // [Np] kOffset * sum_k q_w[n, k] (zeros past N)
+  const int32_t* comp;    // [groups, Np] kOffset * sum over the group of q_w[n, k] (zeros past N)
   const float* w_scale;   // [Np] (zeros past N)
   const float* bias;      // [Np] or nullptr
-  const float* x_scale;   // [M]
-  int64_t N;
+  const float* x_scale;   // [M, groups]
+  int64_t N, Np, G, groups;
 };
 
-// y = float(acc) * w_scale[n] * x_scale[m] + bias[n], in float32, rounded once to T.
+// y = s * w_scale[n] + bias[n] of the groups' float32 sum s, rounded once to T.
 template <typename T>
-inline T epilogue_one(int32_t acc, int64_t m, int64_t n, const Epilogue& e) {
-  float y = static_cast<float>(acc - e.comp[n]) * e.w_scale[n] * e.x_scale[m];
+inline T epilogue_one(float s, int64_t n, const Epilogue& e) {
+  float y = s * e.w_scale[n];
   if (e.bias) y = y + e.bias[n];
   return static_cast<T>(y);
 }
@@ -241,33 +255,39 @@ inline T epilogue_one(int32_t acc, int64_t m, int64_t n, const Epilogue& e) {
 // panel Kp * kPanel bytes.
 template <int MR, typename T>
 inline void tile(const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, int64_t n0, const Epilogue& e, T* y) {
-  const int64_t groups = Kp / 4;
+  const int64_t quads = Kp / 4, group_quads = e.G / 4;
 #if defined(W8A8_SIMD)
-  IVec acc[MR][kVecs];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = ivec_zero();
+  // The groups' float sums live in L1, not in registers: the int32 accumulators take them all (VNNI:
+  // 24 of 32), and they are touched once per group of G / 4 steps.
+  alignas(64) float totals[MR][kVecs][kLanes] = {};
   const uint8_t* xr = xq + m * Kp;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* wp = panel + g * (4 * kPanel);
-    IVec w[kVecs];
-    for (int v = 0; v < kVecs; ++v) w[v] = ivec_load(wp + v * 4 * kLanes);
+  for (int64_t a = 0; a < e.groups; ++a) {
+    IVec acc[MR][kVecs];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = ivec_zero();
+    for (int64_t g = a * group_quads; g < std::min(quads, (a + 1) * group_quads); ++g) {
+      const int8_t* wp = panel + g * (4 * kPanel);
+      IVec w[kVecs];
+      for (int v = 0; v < kVecs; ++v) w[v] = ivec_load(wp + v * 4 * kLanes);
+      for (int r = 0; r < MR; ++r) {
+        const XBcast x = xbcast(xr + r * Kp + 4 * g);
+        for (int v = 0; v < kVecs; ++v) acc[r][v] = dot4(acc[r][v], x, w[v]);
+      }
+    }
+    const int32_t* comp = e.comp + a * e.Np + n0;
     for (int r = 0; r < MR; ++r) {
-      const XBcast x = xbcast(xr + r * Kp + 4 * g);
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = dot4(acc[r][v], x, w[v]);
+      const Vec xs = Vec::set1(e.x_scale[(m + r) * e.groups + a]);
+      for (int v = 0; v < kVecs; ++v)
+        store(totals[r][v], Vec::load(totals[r][v]) + to_float(ivec_sub(acc[r][v], comp + v * kLanes)) * xs);
     }
   }
-  // The sums leave the registers through a buffer: indexing acc in the epilogue's loops (which
-  // stop at the layer's last channel) would make gcc keep acc in memory during the K loop too.
-  alignas(64) int32_t sums[MR][kVecs][kLanes];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kVecs; ++v) ivec_store(sums[r][v], acc[r][v]);
   for (int v = 0; v < kVecs; ++v) {
     const int64_t n = n0 + v * kLanes;
     if (n >= e.N) break;
     const Vec ws = Vec::load(e.w_scale + n);
     const Vec b = e.bias ? Vec::load(e.bias + n) : Vec::zero();
     for (int r = 0; r < MR; ++r) {
-      Vec out = to_float(ivec_sub(ivec_load_i32(sums[r][v]), e.comp + n)) * ws * Vec::set1(e.x_scale[m + r]);
+      Vec out = Vec::load(totals[r][v]) * ws;
       if (e.bias) out = out + b;
       T* yr = y + (m + r) * e.N + n;
       if (n + kLanes <= e.N) {
@@ -280,18 +300,24 @@ inline void tile(const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, 
     }
   }
 #else
-  int32_t acc[MR][kPanel] = {};
-  for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* wp = panel + g * (4 * kPanel);
-    for (int r = 0; r < MR; ++r) {
-      const uint8_t* x = xq + (m + r) * Kp + 4 * g;
-      for (int c = 0; c < kPanel; ++c)
-        for (int j = 0; j < 4; ++j)
-          acc[r][c] += static_cast<int32_t>(static_cast<int8_t>(x[j])) * static_cast<int32_t>(wp[c * 4 + j]);
+  float totals[MR][kPanel] = {};
+  for (int64_t a = 0; a < e.groups; ++a) {
+    int32_t acc[MR][kPanel] = {};
+    for (int64_t g = a * group_quads; g < std::min(quads, (a + 1) * group_quads); ++g) {
+      const int8_t* wp = panel + g * (4 * kPanel);
+      for (int r = 0; r < MR; ++r) {
+        const uint8_t* x = xq + (m + r) * Kp + 4 * g;
+        for (int c = 0; c < kPanel; ++c)
+          for (int j = 0; j < 4; ++j)
+            acc[r][c] += static_cast<int32_t>(static_cast<int8_t>(x[j])) * static_cast<int32_t>(wp[c * 4 + j]);
+      }
     }
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < kPanel; ++c)
+        totals[r][c] = totals[r][c] + static_cast<float>(acc[r][c] - e.comp[a * e.Np + n0 + c]) * e.x_scale[(m + r) * e.groups + a];
   }
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < kPanel && n0 + c < e.N; ++c) y[(m + r) * e.N + n0 + c] = epilogue_one<T>(acc[r][c], m + r, n0 + c, e);
+    for (int c = 0; c < kPanel && n0 + c < e.N; ++c) y[(m + r) * e.N + n0 + c] = epilogue_one<T>(totals[r][c], n0 + c, e);
 #endif
 }
 
@@ -308,14 +334,21 @@ inline void tile_rows(int rows, const uint8_t* xq, int64_t Kp, const int8_t* pan
   }
 }
 
-void check_packed(const at::Tensor& packed, const at::Tensor& colsum, int64_t N, int64_t K, const char* op) {
-  const int64_t panels = (N + kPanel - 1) / kPanel, Kp = round_up(K, 4);
+// The activation group size: G (a positive multiple of 4), or K for 0 (one scale per token).
+int64_t group_of(int64_t G, int64_t K, const char* op) {
+  TORCH_CHECK(G >= 0 && G % 4 == 0, op, ": the activation group size must be 0 (one per token) or a positive multiple of 4, got ", G);
+  return G == 0 ? std::max<int64_t>(round_up(K, 4), 4) : G;
+}
+
+void check_packed(const at::Tensor& packed, const at::Tensor& colsum, int64_t N, int64_t K, int64_t G, const char* op) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, Kp = round_up(K, 4), groups = (K + G - 1) / G;
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(0) == panels &&
                   packed.size(1) == Kp * kPanel,
               op, ": packed weight must be w8a8_pack's output for ", N, " channels of ", K, " inputs (this build packs panels of ",
               kPanel, " channels)");
-  TORCH_CHECK(colsum.dim() == 1 && colsum.size(0) == N && colsum.scalar_type() == at::kInt && colsum.is_contiguous(),
-              op, ": colsum must be int32 [N]");
+  TORCH_CHECK(colsum.dim() == 2 && colsum.size(0) == groups && colsum.size(1) == N && colsum.scalar_type() == at::kInt &&
+                  colsum.is_contiguous(),
+              op, ": colsum must be w8a8_pack's int32 [", groups, ", ", N, "] for activation groups of ", G);
 }
 
 // Tasks are (panel, block of rows) pairs, split evenly across threads in contiguous runs. The
@@ -339,15 +372,16 @@ inline int64_t row_blocks(int64_t panels, int64_t row_tiles, int64_t threads) {
 
 // ---- ops ----------------------------------------------------------------------------------------
 
-// The int8 weight [N, K] (-127..127) in this build's panel layout, and each channel's sum.
-std::tuple<at::Tensor, at::Tensor> w8a8_pack(const at::Tensor& w) {
+// The int8 weight [N, K] (-127..127) in this build's panel layout, and each channel's sum per group of G inputs.
+std::tuple<at::Tensor, at::Tensor> w8a8_pack(const at::Tensor& w, int64_t group_size) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "w8a8_pack: w must be int8 [N, K]");
   const at::Tensor wc = w.contiguous();
   // -128 would break the sign trick of the maddubs builds (and is no symmetric int8 value).
   TORCH_CHECK(wc.numel() == 0 || wc.min().item<int8_t>() != -128, "w8a8_pack: weights must be in -127..127 (symmetric int8)");
   const int64_t N = wc.size(0), K = wc.size(1), Kp = round_up(K, 4), panels = (N + kPanel - 1) / kPanel;
+  const int64_t G = group_of(group_size, K, "w8a8_pack"), groups = (K + G - 1) / G;
   at::Tensor packed = at::zeros({panels, Kp * kPanel}, wc.options());
-  at::Tensor colsum = at::empty({N}, wc.options().dtype(at::kInt));
+  at::Tensor colsum = at::zeros({groups, N}, wc.options().dtype(at::kInt));
   const int8_t* src = wc.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
   int32_t* sums = colsum.data_ptr<int32_t>();
@@ -355,48 +389,48 @@ std::tuple<at::Tensor, at::Tensor> w8a8_pack(const at::Tensor& w) {
     for (int64_t n = begin; n < end; ++n) {
       int8_t* panel = dst + (n / kPanel) * Kp * kPanel;
       const int64_t c = n % kPanel;
-      int32_t sum = 0;
       for (int64_t k = 0; k < K; ++k) {
         const int8_t v = src[n * K + k];
         panel[(k / 4) * 4 * kPanel + c * 4 + k % 4] = v;
-        sum += v;
+        sums[(k / G) * N + n] += v;
       }
-      sums[n] = sum;
     }
   });
   return {packed, colsum};
 }
 
-// Per-row symmetric int8 of x [M, K]: (q int8 [M, K], scale float32 [M]), the format the GEMM reads.
-std::tuple<at::Tensor, at::Tensor> w8a8_quantize(const at::Tensor& x) {
+// Symmetric int8 of x [M, K] per row and group of G: (q int8 [M, K], scale float32 [M, groups]), the format the GEMM reads.
+std::tuple<at::Tensor, at::Tensor> w8a8_quantize(const at::Tensor& x, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2, "w8a8_quantize: x must be [rows, features]");
   const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1);
+  const int64_t M = xc.size(0), K = xc.size(1), G = group_of(group_size, K, "w8a8_quantize");
   at::Tensor q = at::empty({M, K}, xc.options().dtype(at::kChar));
-  at::Tensor scale = at::empty({M}, xc.options().dtype(at::kFloat));
+  at::Tensor scale = at::empty({M, (K + G - 1) / G}, xc.options().dtype(at::kFloat));
   dispatch_float_types(xc.scalar_type(), "w8a8_quantize", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    quantize_rows<T>(xc.data_ptr<T>(), M, K, K, reinterpret_cast<uint8_t*>(q.data_ptr<int8_t>()), scale.data_ptr<float>(), 0);
+    quantize_rows<T>(xc.data_ptr<T>(), M, K, K, G, reinterpret_cast<uint8_t*>(q.data_ptr<int8_t>()), scale.data_ptr<float>(), 0);
   });
   return {q, scale};
 }
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum, const at::Tensor& w_scale,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2, "w8a8_linear: x must be [rows, in_features]");
   TORCH_CHECK(w_scale.dim() == 1 && w_scale.scalar_type() == at::kFloat, "w8a8_linear: w_scale must be float32 [N]");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = w_scale.size(0), Kp = round_up(K, 4);
-  check_packed(packed, colsum, N, K, "w8a8_linear");
+  const int64_t G = group_of(group_size, K, "w8a8_linear"), groups = (K + G - 1) / G;
+  check_packed(packed, colsum, N, K, G, "w8a8_linear");
   const int64_t panels = packed.size(0), Np = panels * kPanel;
 
   // Per-channel vectors padded to whole panels, so the vector epilogue never reads past them.
   std::vector<float> ws(Np, 0.f), bs;
-  std::vector<int32_t> comp(Np, 0);
+  std::vector<int32_t> comp(groups * Np, 0);
   const at::Tensor wsc = w_scale.contiguous();
   std::copy(wsc.data_ptr<float>(), wsc.data_ptr<float>() + N, ws.begin());
   const int32_t* cs = colsum.data_ptr<int32_t>();
-  for (int64_t n = 0; n < N; ++n) comp[n] = kOffset * cs[n];
+  for (int64_t a = 0; a < groups; ++a)
+    for (int64_t n = 0; n < N; ++n) comp[a * Np + n] = kOffset * cs[a * N + n];
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "w8a8_linear: bias must be [out_features]");
     const at::Tensor b = bias->to(at::kFloat).contiguous();
@@ -407,11 +441,11 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   at::Tensor y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
   std::unique_ptr<uint8_t[]> xq(new uint8_t[M * Kp]);  // every byte is written by quantize_rows
-  std::vector<float> xs(M);
+  std::vector<float> xs(M * groups);
   dispatch_float_types(xc.scalar_type(), "w8a8_linear", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    quantize_rows<T>(xc.data_ptr<T>(), M, K, Kp, xq.get(), xs.data(), kOffset);
-    const Epilogue e{comp.data(), ws.data(), bs.empty() ? nullptr : bs.data(), xs.data(), N};
+    quantize_rows<T>(xc.data_ptr<T>(), M, K, Kp, G, xq.get(), xs.data(), kOffset);
+    const Epilogue e{comp.data(), ws.data(), bs.empty() ? nullptr : bs.data(), xs.data(), N, Np, G, groups};
     const int64_t row_tiles = (M + kMR - 1) / kMR;
     const int64_t blocks = row_blocks(panels, row_tiles, at::get_num_threads());
     const int64_t rows_per_block = (row_tiles + blocks - 1) / blocks * kMR;
@@ -433,9 +467,9 @@ std::string w8a8_isa() { return kIsa; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
-  m.def("w8a8_pack(Tensor w) -> (Tensor, Tensor)");
-  m.def("w8a8_quantize(Tensor x) -> (Tensor, Tensor)");
-  m.def("w8a8_linear(Tensor x, Tensor packed, Tensor colsum, Tensor w_scale, Tensor? bias) -> Tensor");
+  m.def("w8a8_pack(Tensor w, int group_size) -> (Tensor, Tensor)");
+  m.def("w8a8_quantize(Tensor x, int group_size) -> (Tensor, Tensor)");
+  m.def("w8a8_linear(Tensor x, Tensor packed, Tensor colsum, Tensor w_scale, Tensor? bias, int group_size) -> Tensor");
   m.def("w8a8_isa() -> str", &w8a8_isa);
   m.impl("w8a8_pack", c10::DispatchKey::CPU, &w8a8_pack);
   m.impl("w8a8_quantize", c10::DispatchKey::CPU, &w8a8_quantize);

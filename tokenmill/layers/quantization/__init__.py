@@ -32,7 +32,7 @@ from tokenmill.layers.quantization.w8a8 import W8A8Config
 from tokenmill.layers.quantization.weight_only import WeightOnlyConfig
 
 # The `quantization=` names tokenmill runs, and the options each takes (`quantization_options=`).
-SUPPORTED = {"int8": (), "int4": ("group_size", "symmetric"), "w8a8": (), "gguf": ("activations",), "gptq": (), "awq": (), "compressed-tensors": ()}
+SUPPORTED = {"int8": (), "int4": ("group_size", "symmetric"), "w8a8": ("activation_group_size",), "gguf": ("activations",), "gptq": (), "awq": (), "compressed-tensors": ()}
 # The methods that load a checkpoint quantized already (by its config.json's quant_method); the
 # others quantize a float checkpoint at load.
 PREQUANTIZED = ("gptq", "awq", "compressed-tensors")
@@ -107,7 +107,7 @@ def get_quantization_config(name: str | None, options: dict[str, Any] | None, de
     if name == "gguf":  # the loader checks that the checkpoint is a GGUF file (build_model)
         return GGUFConfig(**(options or {}))
     if name == "w8a8":
-        return W8A8Config(prepack_lm_head=cpu_packed_weights_supported(device, dtype))
+        return W8A8Config(prepack_lm_head=cpu_packed_weights_supported(device, dtype), **(options or {}))
     return WeightOnlyConfig(bits=8 if name == "int8" else 4, **(options or {}))
 
 

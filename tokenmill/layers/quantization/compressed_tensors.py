@@ -169,7 +169,8 @@ class CTInt8Method(LinearMethodBase):
 
     def __init__(self, activations: bool) -> None:
         self.activations = activations
-        self.compute = W8A8LinearMethod() if activations else PackedInt8Method()
+        # The checkpoint's scheme: one activation scale per token (the only one _check_scheme accepts).
+        self.compute = W8A8LinearMethod(activation_group_size=0) if activations else PackedInt8Method()
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
         n = sum(output_sizes)
@@ -187,7 +188,7 @@ class CTInt8Method(LinearMethodBase):
         if clamped:  # llm-compressor's symmetric range reaches -128; the int8 x int8 kernel's is -127..127
             logger.info("%s: %d weights at -128 clamped to -127 (the W8A8 kernel's symmetric range)", layer.prefix, clamped)
             q = q.clamp(min=-127)
-        store_w8a8(layer, q, scale)
+        store_w8a8(layer, q, scale, group_size=0)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.compute.apply(layer, x, bias)
