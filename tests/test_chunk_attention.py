@@ -171,9 +171,9 @@ def test_greedy_equals_reference_backend(name, engine_args, tiny_model_factory, 
     calls = []
     kernel = cpu.paged_prefill_attention
 
-    def counting(out, q, k_cache, v_cache, first_rows, starts, lens, *args):
+    def counting(out, q, k_cache, v_cache, first_rows, starts, lens, *args, **kwargs):
         calls.append((starts.tolist(), lens.tolist()))
-        kernel(out, q, k_cache, v_cache, first_rows, starts, lens, *args)
+        kernel(out, q, k_cache, v_cache, first_rows, starts, lens, *args, **kwargs)
 
     monkeypatch.setattr(cpu, "paged_prefill_attention", counting)
     llm, got = _greedy_runs(path, prompts, **engine_args)

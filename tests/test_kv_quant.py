@@ -1,5 +1,6 @@
-"""The quantized KV cache (kv_cache_dtype int8 / fp8): quantize on write, the decode kernel reading the
-quantized cache, the prompt path's dequantizing gather, the block budget, and end-to-end on tiny models.
+"""The quantized KV cache (kv_cache_dtype int8 / fp8): quantize on write, the decode and prompt-chunk
+kernels reading the quantized cache, the reference backend's dequantizing gather, the block budget,
+and end-to-end on tiny models.
 
 References: layers/kv_quant.py's plain-PyTorch quantize (int8 with one scale per (token, KV head):
 max|x| / 127; fp8 with a per-tensor scale), and attention in float32 over the dequantized cache.
@@ -126,6 +127,35 @@ def test_paged_decode_kv_quant_kernel_matches_reference_on_dequantized_cache(kv_
         v = v_deq[b][first:].repeat_interleave(group, dim=1)
         probs = (torch.einsum("hd,chd->hc", q[token_rows[b]].float(), k) * scale).softmax(-1)
         torch.testing.assert_close(out[token_rows[b]].float(), torch.einsum("hc,chd->hd", probs, v), **tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_name", list(KV_DTYPES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 9])
+def test_paged_prefill_kv_quant_kernel_is_the_kernel_on_the_dequantized_cache(kv_name, dtype, window):
+    """The prompt-chunk kernel reads a quantized cache as stored, each row times its scale as it packs
+    the row: with float32 queries, the same bits as the kernel over the dequantized float32 cache;
+    with bf16 / fp16 ones (the same values), that result within the output's rounding."""
+    head_dim, group = 64, 3
+    k_cache, v_cache, scales, block_table, k_all, v_all, slots, contexts, num_kv_heads = _paged_case(kv_name, dtype, head_dim, group, 5)
+    cpu.write_kv_quantized(k_cache, v_cache, scales.k, scales.v, torch.cat(k_all), torch.cat(v_all), slots)
+    per_row = kv_name == "int8"
+    k_deq, v_deq = (c.float() * (s[..., None] if per_row else s) for c, s in ((k_cache, scales.k), (v_cache, scales.v)))
+    lens = torch.tensor([min(n, 7) for n in contexts])  # each request's last tokens as its chunk
+    starts = torch.tensor(contexts) - lens
+    first_rows = torch.cumsum(lens, 0) - lens
+    q = torch.randn(int(lens.sum()), num_kv_heads * group, head_dim).to(dtype).float()  # values q's dtype holds
+    scale = head_dim**-0.5
+    want = torch.zeros_like(q)
+    cpu.paged_prefill_attention(want, q, k_deq, v_deq, first_rows, starts, lens, block_table, window, scale)
+    got = torch.zeros_like(q, dtype=dtype)
+    cpu.paged_prefill_attention(got, q.to(dtype), k_cache, v_cache, first_rows, starts, lens, block_table, window, scale,
+                                k_scale=scales.k, v_scale=scales.v)
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
 def _reference(q, k, v, num_kv_heads, start, scale):

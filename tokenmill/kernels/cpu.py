@@ -379,11 +379,14 @@ def paged_prefill_attention(
     sliding_window: int | None,
     scale: float,
     rows_per_task: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """out[first_rows[b] + i] := attention of prompt chunk b's query row i (position starts[b] + i) over its
-    paged context, causal, tiled flash-attention style (see prefill_attention.cpp); rows_per_task 0: the default tile."""
+    paged context, causal, tiled flash-attention style (see prefill_attention.cpp); rows_per_task 0: the default tile.
+    k_scale / v_scale: a quantized (int8 / fp8) cache's scales, as paged_decode_attention takes them."""
     torch.ops.tokenmill_cpu.paged_prefill_attention(
-        out, q, k_cache, v_cache, first_rows, starts, lens, block_table, sliding_window or 0, scale, rows_per_task
+        out, q, k_cache, v_cache, first_rows, starts, lens, block_table, sliding_window or 0, scale, rows_per_task, k_scale, v_scale
     )
 
 

@@ -76,7 +76,7 @@ class TorchPagedAttention:
             if group.token_index.shape[1] == 1:
                 cls.decode(q, k_cache, v_cache, group, out, scale, sliding_window, workspace, kv_scales)
                 continue
-            if cls.prompt(q, k_cache, v_cache, group, out, scale, sliding_window):
+            if cls.prompt(q, k_cache, v_cache, group, out, scale, sliding_window, kv_scales):
                 continue
             if q_padded is None:
                 q_padded = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
@@ -107,6 +107,7 @@ class TorchPagedAttention:
         out: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        kv_scales: KVScales | None = None,
     ) -> bool:
         """A backend's own path for a prompt-chunk group: True when it wrote out[rows]; the reference has none."""
         return False
@@ -180,13 +181,16 @@ class CpuPagedAttention(TorchPagedAttention):
         out: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        kv_scales: KVScales | None = None,
     ) -> bool:
-        if os.environ.get(PROMPT_KERNEL_ENV, "1") == "0" or is_quantized(k_cache):
-            return False  # a quantized cache: gathered and dequantized, then SDPA, as in the reference
+        if os.environ.get(PROMPT_KERNEL_ENV, "1") == "0":
+            return False
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel takes any row stride, not other layouts
             q = q.contiguous()
         first_rows, starts, lens = group.prompt_rows_starts_lens(q.shape[0])
-        cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, first_rows, starts, lens, group.block_table, sliding_window, scale)
+        k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
+        cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, first_rows, starts, lens, group.block_table, sliding_window, scale,
+                                            k_scale=k_scale, v_scale=v_scale)
         return True
 
     @staticmethod

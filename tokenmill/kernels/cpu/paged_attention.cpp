@@ -51,13 +51,7 @@ namespace {
 using tokenmill_cpu::Vec;
 constexpr int W = Vec::W;
 constexpr int kMaxChunks = 256 / W;  // head sizes up to 256 take the vector paths
-
-// W cache values widened to float32 (unscaled): float types as Vec::load does, int8 and fp8 from vec.h.
-template <typename T>
-inline Vec load_kv(const T* p) { return Vec::load(p); }
-inline Vec load_kv(const int8_t* p) { return tokenmill_cpu::load_int8(p); }
-inline Vec load_kv(const c10::Float8_e4m3fn* p) { return tokenmill_cpu::load_fp8_e4m3(reinterpret_cast<const uint8_t*>(p)); }
-inline Vec load_kv(const c10::Float8_e5m2* p) { return tokenmill_cpu::load_fp8_e5m2(reinterpret_cast<const uint8_t*>(p)); }
+using tokenmill_cpu::load_kv;
 #endif
 
 // The scale of cache row `row` of a head: scales[row * stride] (stride 1: int8's per-row scales;

@@ -27,7 +27,7 @@
 // requests as its rows, and walks the shared prefix once for all of them: no mask (every decode
 // token comes after the prefix), and out comes each row's normalized partial output and its
 // log-sum-exp, which the decode kernel (paged_attention.cpp) merges with the rest of the context.
-// It also reads an int8 / fp8 cache: each row widened and times its scale as it is packed.
+// Both read an int8 / fp8 cache as stored: each row widened and times its scale as it is packed.
 //
 // Built for the machine it runs on (vec.h: AVX-512 16 lanes, AVX2 + FMA + F16C 8 lanes); without
 // either, or for head sizes that are no whole number of vectors, the same tiling runs scalar loops,
@@ -314,15 +314,29 @@ struct FlashTile {
   }
 };
 
+// The cache row `row` of one head widened to float32 into dst, times `scale` for a quantized cache
+// (int8 / fp8: each value times its row's or tensor's scale, one rounding, as the dequantize does).
+template <typename cache_t>
+inline void pack_row(const cache_t* src, float scale, int64_t D, float* dst) {
+  constexpr bool kFloat = std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16> || std::is_same_v<cache_t, c10::Half>;
+  int64_t d = 0;
+#if TOKENMILL_SIMD
+  const Vec s = Vec::set1(scale);
+  for (; d + W <= D; d += W) store(dst + d, kFloat ? tokenmill_cpu::load_kv(src + d) : tokenmill_cpu::load_kv(src + d) * s);
+#endif
+  for (; d < D; ++d) dst[d] = kFloat ? static_cast<float>(src[d]) : static_cast<float>(src[d]) * scale;
+}
+
 struct Task {
   int64_t b, h, i0, rows;  // request, KV head, first query offset in the chunk, query positions
 };
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void prefill_kernel(
     const scalar_t* q, int64_t q_stride,  // [T, Hkv * G, D], rows q_stride apart
-    const scalar_t* k_cache,              // [Hkv, NB, BS, D]
-    const scalar_t* v_cache,
+    const cache_t* k_cache,               // [Hkv, NB, BS, D]: q's dtype, or int8 / fp8 with scales
+    const cache_t* v_cache,
+    const float* k_scale, const float* v_scale, int64_t scale_stride,  // as paged_attention.cpp's RowScales
     const int64_t* first_rows,            // [B] row of each chunk's first query token in q / out
     const int64_t* starts,                // [B] position of that token
     const int64_t* lens,                  // [B] query tokens of the chunk
@@ -362,8 +376,10 @@ void prefill_kernel(
       for (int64_t r = 0; r < R; ++r) qpos[r] = static_cast<float>(r < R0 ? p_min + r / G : p_max);
       tile.reset(R, D);
 
-      const scalar_t* k_head = k_cache + task.h * NB * BS * D;
-      const scalar_t* v_head = v_cache + task.h * NB * BS * D;
+      const cache_t* k_head = k_cache + task.h * NB * BS * D;
+      const cache_t* v_head = v_cache + task.h * NB * BS * D;
+      const float* ks = k_scale + scale_stride * task.h * NB * BS;
+      const float* vs = v_scale + scale_stride * task.h * NB * BS;
       const int64_t* blocks = block_table + task.b * MB;
       const int64_t k_first = window > 0 ? std::max<int64_t>(0, p_min - window + 1) : 0, k_end = p_max + 1;
       for (int64_t k0 = k_first; k0 < k_end; k0 += kKeyTile) {
@@ -371,21 +387,8 @@ void prefill_kernel(
         for (int64_t k = 0; k < n; ++k) {
           const int64_t pos = k0 + k;
           const int64_t row = blocks[pos / BS] * BS + pos % BS;
-          float* kp = tile.kpack.data() + k * D;
-          float* vp = tile.vpack.data() + k * D;
-          const scalar_t* ks = k_head + row * D;
-          const scalar_t* vs = v_head + row * D;
-          int64_t d = 0;
-#if TOKENMILL_SIMD
-          for (; d + W <= D; d += W) {
-            store(kp + d, Vec::load(ks + d));
-            store(vp + d, Vec::load(vs + d));
-          }
-#endif
-          for (; d < D; ++d) {
-            kp[d] = static_cast<float>(ks[d]);
-            vp[d] = static_cast<float>(vs[d]);
-          }
+          pack_row(k_head + row * D, ks[row * scale_stride], D, tile.kpack.data() + k * D);
+          pack_row(v_head + row * D, vs[row * scale_stride], D, tile.vpack.data() + k * D);
         }
         tile.step(n, R, D, [&](float* s) {
           // Only tiles that reach past the first row's position or before the last row's window need a mask.
@@ -413,18 +416,23 @@ void prefill_kernel(
 }
 
 // out[first_rows[b] + i] = attention of q[first_rows[b] + i] (position starts[b] + i) over request
-// b's paged context 0 .. starts[b] + i, for i < lens[b]; other rows untouched.
+// b's paged context 0 .. starts[b] + i, for i < lens[b]; other rows untouched. A quantized cache
+// (int8 / fp8) comes with its scales (paged_attention.cpp's), its rows dequantized as they are packed.
 void paged_prefill_attention(
     at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& first_rows, const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& block_table,
-    int64_t window, double scale, int64_t rows_per_task) {
+    int64_t window, double scale, int64_t rows_per_task, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.size(1) == q.size(1) && out.size(2) == q.size(2),
               "q and out must be [T, H, D] with the same H and D");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q must have contiguous heads ([T, H, D] rows, any row stride)");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [Hkv, blocks, block_size, D]");
   TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "out and the caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
-                  v_cache.scalar_type() == q.scalar_type(), "q, out and the caches must share a dtype");
+  const bool quantized = k_scale.has_value();
+  TORCH_CHECK(quantized == v_scale.has_value(), "paged_prefill_attention: give both k_scale and v_scale or neither");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (quantized || k_cache.scalar_type() == q.scalar_type()),
+              "q, out and the caches must share a dtype (or the caches be quantized, with scales)");
   for (const auto* x : {&first_rows, &starts, &lens, &block_table})
     TORCH_CHECK(x->scalar_type() == at::kLong, "index tensors must be int64");
   const auto rows = first_rows.contiguous(), st = starts.contiguous(), ln = lens.contiguous(), table = block_table.contiguous();
@@ -444,27 +452,24 @@ void paged_prefill_attention(
     for (int64_t i = 0; i < (s[b] + n[b] + BS - 1) / BS; ++i)
       TORCH_CHECK(tb[b * table.size(1) + i] >= 0 && tb[b * table.size(1) + i] < NB, "paged_prefill_attention: block out of range");
   }
+  const int64_t scale_stride = quantized ? tokenmill_cpu::check_kv_scales(k_cache, *k_scale, *v_scale, "paged_prefill_attention") : 0;
+  static const float kOne = 1.f;
+  const float* ks = quantized ? k_scale->data_ptr<float>() : &kOne;
+  const float* vs = quantized ? v_scale->data_ptr<float>() : &kOne;
   tokenmill_cpu::dispatch_float_types(q.scalar_type(), "paged_prefill_attention", [&](auto* type_tag) {
     using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
-    prefill_kernel<scalar_t>(
-        q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), r, s, n, tb,
-        out.data_ptr<scalar_t>(), B, Hkv, H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale),
-        rows_per_task > 0 ? rows_per_task : kRowsPerTask);
+    auto run = [&](auto* cache_tag) {
+      using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
+      prefill_kernel<scalar_t, cache_t>(
+          q.data_ptr<scalar_t>(), q.stride(0), static_cast<const cache_t*>(k_cache.data_ptr()),
+          static_cast<const cache_t*>(v_cache.data_ptr()), ks, vs, scale_stride, r, s, n, tb, out.data_ptr<scalar_t>(), B, Hkv,
+          H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale), rows_per_task > 0 ? rows_per_task : kRowsPerTask);
+    };
+    if (quantized)
+      tokenmill_cpu::dispatch_quantized_cache(k_cache.scalar_type(), "paged_prefill_attention", run);
+    else
+      run(static_cast<scalar_t*>(nullptr));
   });
-}
-
-// The cache row `row` of one head widened to float32 into dst, times `scale` for a quantized cache.
-template <typename cache_t>
-inline void pack_row(const cache_t* src, float scale, int64_t D, float* dst) {
-  int64_t d = 0;
-  if constexpr (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16> || std::is_same_v<cache_t, c10::Half>) {
-#if TOKENMILL_SIMD
-    for (; d + W <= D; d += W) store(dst + d, Vec::load(src + d));
-#endif
-    for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
-  } else {  // int8 / fp8: widened in scalar loops, a small part of the work (a task reuses each row for all its rows)
-    for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
-  }
 }
 
 // For each KV head h and decode request b: the attention of b's G query heads over the shared prefix
@@ -582,7 +587,8 @@ std::tuple<at::Tensor, at::Tensor> cascade_prefix_attention(
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor first_rows, "
-        "Tensor starts, Tensor lens, Tensor block_table, int window, float scale, int rows_per_task) -> ()");
+        "Tensor starts, Tensor lens, Tensor block_table, int window, float scale, int rows_per_task, "
+        "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
   m.def("cascade_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor token_rows, Tensor prefix_blocks, "
         "int prefix_len, float scale, Tensor? k_scale=None, Tensor? v_scale=None, int rows_per_task=0) -> (Tensor, Tensor)");

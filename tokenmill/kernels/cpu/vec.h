@@ -314,4 +314,14 @@ inline void stream_fence() { _mm_sfence(); }
 
 #endif
 
+#if TOKENMILL_SIMD
+// W values of a KV cache row widened to float32 (unscaled): float types as Vec::load does, int8 and
+// fp8 (e4m3fn / e5m2) bytes as above (paged_attention.cpp, prefill_attention.cpp).
+template <typename T>
+inline Vec load_kv(const T* p) { return Vec::load(p); }
+inline Vec load_kv(const int8_t* p) { return load_int8(p); }
+inline Vec load_kv(const c10::Float8_e4m3fn* p) { return load_fp8_e4m3(reinterpret_cast<const uint8_t*>(p)); }
+inline Vec load_kv(const c10::Float8_e5m2* p) { return load_fp8_e5m2(reinterpret_cast<const uint8_t*>(p)); }
+#endif
+
 }  // namespace tokenmill_cpu
