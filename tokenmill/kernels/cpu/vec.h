@@ -125,6 +125,21 @@ inline Vec vmax(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline Vec vexp(Vec a) { return {_ZGVeN16v_expf(a.v)}; }
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+// Horizontal sums of many vectors at once, a few shuffles per vector instead of reduce_add's chain:
+// sum4_per_lane(a, b, c, d) has, at 4 l + i of every 128-bit lane l, the sum of the i-th vector's
+// elements 4 l .. 4 l + 3; sum_quads(y) of W / 4 such vectors (y: W / 4 x W floats, vectors 4 j ..
+// 4 j + 3 in y[j]) has at i the whole sum of vector i.
+inline Vec sum4_per_lane(Vec a, Vec b, Vec c, Vec d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a.v, b.v), _mm512_unpackhi_ps(a.v, b.v));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c.v, d.v), _mm512_unpackhi_ps(c.v, d.v));
+  return {_mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)))};
+}
+inline Vec sum_quads(const float* y) {
+  const auto halves = [](__m512 p, __m512 q) {  // lanes: p's 128-bit lanes 0+1, 2+3, then q's
+    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return {halves(halves(_mm512_loadu_ps(y), _mm512_loadu_ps(y + 16)), halves(_mm512_loadu_ps(y + 32), _mm512_loadu_ps(y + 48)))};
+}
 
 inline Mask greater(Vec a, Vec b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ)}; }  // a > b, false for NaN
 inline Vec select(Mask m, Vec a, Vec b) { return {_mm512_mask_mov_ps(b.v, m.m, a.v)}; }  // m ? a : b
@@ -239,6 +254,16 @@ inline float reduce_add(Vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+// As the AVX-512 ones: 128-bit lane sums of 4 vectors, then the whole sums of W = 8 vectors.
+inline Vec sum4_per_lane(Vec a, Vec b, Vec c, Vec d) {
+  const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a.v, b.v), _mm256_unpackhi_ps(a.v, b.v));
+  const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c.v, d.v), _mm256_unpackhi_ps(c.v, d.v));
+  return {_mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)))};
+}
+inline Vec sum_quads(const float* y) {
+  const __m256 p = _mm256_loadu_ps(y), q = _mm256_loadu_ps(y + 8);
+  return {_mm256_add_ps(_mm256_permute2f128_ps(p, q, 0x20), _mm256_permute2f128_ps(p, q, 0x31))};
 }
 inline float reduce_max(Vec a) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
