@@ -145,10 +145,22 @@ inline float exp_sum(float* x, int64_t n, float m) {
 }
 
 // f(cache row, position) for positions first .. len-1, walking the block table block by block
-// (a division per token cost more than the dot products).
-template <typename F>
-inline void for_each_row(int64_t first, int64_t len, int64_t BS, const int64_t* blocks, F&& f) {
+// (a division per token cost more than the dot products), and asking for the block kPrefetchBlocks
+// further on (its BS rows of D values from `head`) as each block starts. Blocks lie anywhere in the
+// cache, so the hardware prefetchers cannot run ahead of a block's end; in the engine, where a
+// layer's K and V have left the caches by its next step, this took SmolLM2's decode attention at
+// 32 x ~190 tokens from 231 to 206 us a layer (bf16) and 199 to 160 (int8), at 64 x 1,000 from 722 to
+// 660 and 505 to 438 (per-step alternation in one engine run).
+constexpr int64_t kPrefetchBlocks = 2;
+
+template <typename T, typename F>
+inline void for_each_row(int64_t first, int64_t len, int64_t BS, const int64_t* blocks, const T* head, int64_t D, F&& f) {
+  const int64_t last_block = (len - 1) / BS, block_bytes = BS * D * static_cast<int64_t>(sizeof(T));
   for (int64_t i = first / BS, t = first; t < len; ++i) {
+    if (i + kPrefetchBlocks <= last_block) {
+      const char* ahead = reinterpret_cast<const char*>(head + blocks[i + kPrefetchBlocks] * BS * D);
+      for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
+    }
     const int64_t base = blocks[i] * BS - i * BS;  // cache row of position t is base + t
     const int64_t stop = std::min(len, (i + 1) * BS);
     for (; t < stop; ++t) f(base + t, t);
@@ -192,7 +204,7 @@ void qk_fixed(const float* qf, const scalar_t* k_head, RowScales ks, const int64
     alignas(64) float row_scale[W];
     alignas(64) float quad_sums[G][W / 4][W];
     int fill = 0;
-    for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
+    for_each_row(first, len, BS, blocks, k_head, D, [&](int64_t row, int64_t t) {
       rows[fill] = k_head + row * D;
       row_scale[fill] = ks[row];
       if (++fill % 4 != 0) return;
@@ -216,7 +228,7 @@ void qk_fixed(const float* qf, const scalar_t* k_head, RowScales ks, const int64
     }
     return;
   }
-  for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
+  for_each_row(first, len, BS, blocks, k_head, D, [&](int64_t row, int64_t t) {
     const scalar_t* k = k_head + row * D;
     Vec kv[NC];
     for (int c = 0; c < NC; ++c) kv[c] = load_kv(k + W * c);
@@ -249,7 +261,7 @@ void pv_fixed(const float* scores, int64_t n, const scalar_t* v_head, RowScales 
     Vec acc[G][P];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < P; ++c) acc[g][c] = Vec::zero();
-    for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
+    for_each_row(first, len, BS, blocks, v_head, D, [&](int64_t row, int64_t t) {
       const scalar_t* v = v_head + row * D + W * c0;
       Vec vv[P];
       for (int c = 0; c < P; ++c) vv[c] = load_kv(v + W * c);
@@ -335,7 +347,7 @@ void decode_kernel(
       } else
 #endif
       {
-        for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
+        for_each_row(first, len, BS, blocks, k_head, D, [&](int64_t row, int64_t t) {
           dot_heads(qf.data(), k_head + row * D, ks[row], G, D, scores.data() + (t - first), n);
         });
       }
@@ -358,7 +370,7 @@ void decode_kernel(
 #endif
       {
         std::fill(acc.begin(), acc.end(), 0.f);
-        for_each_row(first, len, BS, blocks, [&](int64_t row, int64_t t) {
+        for_each_row(first, len, BS, blocks, v_head, D, [&](int64_t row, int64_t t) {
           axpy_heads(acc.data(), scores.data() + (t - first), n, v_head + row * D, vs[row], G, D);
         });
       }
