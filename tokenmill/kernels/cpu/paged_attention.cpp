@@ -172,18 +172,13 @@ inline void for_each_row(int64_t first, int64_t len, int64_t BS, const int64_t* 
 // accumulators (PV) stay in registers: the generic loops kept them in memory, a load and a store
 // around every FMA.
 //
-// A quantized cache's rows are summed W positions at a time: each row's G products are vectors of
-// partial sums, which sum4_per_lane folds four rows at a time and sum_quads turns into a vector of W
-// scores, where one horizontal sum per row and head (reduce_add) was most of the pass. One layer of
-// SmolLM2 (9 / 3 heads of 64), AVX-512, median of 7: int8 at 64 x 1,024 tokens 0.95 -> 0.79 ms, at 32
-// x 192 0.093 -> 0.077 ms. Not for a bf16 cache: 0.096 -> 0.082 ms at 32 x 192, but 1.38 -> 1.71 ms
-// at 64 x 1,024, where its twice as many bytes set the pace and the row-at-a-time loop kept more
-// of them in flight.
-template <typename scalar_t>
-constexpr bool batched_scores() {
-  return !(std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>);
-}
-
+// The scores are summed W positions at a time: each row's G products are vectors of partial sums,
+// which sum4_per_lane folds four rows at a time and sum_quads turns into a vector of W scores, where
+// one horizontal sum per row and head (reduce_add) was most of the pass. One layer of SmolLM2 (9 / 3
+// heads of 64), AVX-512, median of 7, against that row-at-a-time loop: int8 at 64 x 1,024 tokens 0.95
+// -> 0.79 ms, at 32 x 192 0.093 -> 0.077; bf16 (with the block prefetch of for_each_row) 1.03 -> 0.88
+// and 0.099 -> 0.089; float32 2.16 -> 2.07 and 0.112 -> 0.107; the AVX2 build's float32 the same within
+// 4% (2.58 / 2.57, 0.157 / 0.163), its int8 1.41 -> 1.34 ms.
 template <typename scalar_t, int G, int NC>
 void qk_fixed(const float* qf, const scalar_t* k_head, RowScales ks, const int64_t* blocks, int64_t first, int64_t len,
               int64_t BS, float* scores, int64_t n) {
@@ -191,54 +186,40 @@ void qk_fixed(const float* qf, const scalar_t* k_head, RowScales ks, const int64
   Vec qv[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) qv[g][c] = Vec::load(qf + g * D + W * c);
-  if constexpr (batched_scores<scalar_t>()) {
-    const auto dot = [&](const Vec (&kv)[NC], int g) {
-      Vec s = qv[g][0] * kv[0];
-      for (int c = 1; c < NC; ++c) s = fmadd(qv[g][c], kv[c], s);
-      return s;
-    };
-    const auto widen = [](const scalar_t* k, Vec (&kv)[NC]) {
-      for (int c = 0; c < NC; ++c) kv[c] = load_kv(k + W * c);
-    };
-    const scalar_t* rows[W];
-    alignas(64) float row_scale[W];
-    alignas(64) float quad_sums[G][W / 4][W];
-    int fill = 0;
-    for_each_row(first, len, BS, blocks, k_head, D, [&](int64_t row, int64_t t) {
-      rows[fill] = k_head + row * D;
-      row_scale[fill] = ks[row];
-      if (++fill % 4 != 0) return;
-      Vec s[G][4];
-      for (int r = 0; r < 4; ++r) {
-        Vec kv[NC];  // widened once for the G heads
-        widen(rows[fill - 4 + r], kv);
-        for (int g = 0; g < G; ++g) s[g][r] = dot(kv, g);
-      }
-      for (int g = 0; g < G; ++g) store(quad_sums[g][fill / 4 - 1], sum4_per_lane(s[g][0], s[g][1], s[g][2], s[g][3]));
-      if (fill == W) {
-        const Vec scale = Vec::load(row_scale);
-        for (int g = 0; g < G; ++g) store(scores + g * n + (t + 1 - W - first), sum_quads(&quad_sums[g][0][0]) * scale);
-        fill = 0;
-      }
-    });
-    for (int i = 0; i < fill; ++i) {  // the last rows, at positions len - fill ..
-      Vec kv[NC];
-      widen(rows[i], kv);
-      for (int g = 0; g < G; ++g) scores[g * n + (len - fill + i - first)] = reduce_add(dot(kv, g)) * row_scale[i];
-    }
-    return;
-  }
-  for_each_row(first, len, BS, blocks, k_head, D, [&](int64_t row, int64_t t) {
-    const scalar_t* k = k_head + row * D;
-    Vec kv[NC];
+  const auto dot = [&](const Vec (&kv)[NC], int g) {
+    Vec s = qv[g][0] * kv[0];
+    for (int c = 1; c < NC; ++c) s = fmadd(qv[g][c], kv[c], s);
+    return s;
+  };
+  const auto widen = [](const scalar_t* k, Vec (&kv)[NC]) {
     for (int c = 0; c < NC; ++c) kv[c] = load_kv(k + W * c);
-    const float scale = ks[row];
-    for (int g = 0; g < G; ++g) {
-      Vec s = qv[g][0] * kv[0];
-      for (int c = 1; c < NC; ++c) s = fmadd(qv[g][c], kv[c], s);
-      scores[g * n + (t - first)] = reduce_add(s) * scale;
+  };
+  const scalar_t* rows[W];
+  alignas(64) float row_scale[W];
+  alignas(64) float quad_sums[G][W / 4][W];
+  int fill = 0;
+  for_each_row(first, len, BS, blocks, k_head, D, [&](int64_t row, int64_t t) {
+    rows[fill] = k_head + row * D;
+    row_scale[fill] = ks[row];
+    if (++fill % 4 != 0) return;
+    Vec s[G][4];
+    for (int r = 0; r < 4; ++r) {
+      Vec kv[NC];  // widened once for the G heads
+      widen(rows[fill - 4 + r], kv);
+      for (int g = 0; g < G; ++g) s[g][r] = dot(kv, g);
+    }
+    for (int g = 0; g < G; ++g) store(quad_sums[g][fill / 4 - 1], sum4_per_lane(s[g][0], s[g][1], s[g][2], s[g][3]));
+    if (fill == W) {
+      const Vec scale = Vec::load(row_scale);
+      for (int g = 0; g < G; ++g) store(scores + g * n + (t + 1 - W - first), sum_quads(&quad_sums[g][0][0]) * scale);
+      fill = 0;
     }
   });
+  for (int i = 0; i < fill; ++i) {  // the last rows, at positions len - fill ..
+    Vec kv[NC];
+    widen(rows[i], kv);
+    for (int g = 0; g < G; ++g) scores[g * n + (len - fill + i - first)] = reduce_add(dot(kv, g)) * row_scale[i];
+  }
 }
 
 // Chunks of the head the PV pass accumulates per walk over the context: all NC when the G * NC
