@@ -171,6 +171,12 @@ class TensorParallelExecutor(Executor):
             self.wait_for_followers(0.2)
             failure = self.follower_failure()
             if failure is not None:
+                # A follower that joined and then failed building its model (a checkpoint this layout cannot
+                # split, say) may be seen here before the rendezvous thread ends: then this rank goes on to
+                # build its own and meets the same error, with its message, rather than "rank 1 exited".
+                thread.join(1.0)
+                if "comm" in result:
+                    break
                 raise ExecutorDiedError(f"tensor parallelism could not start: {failure}")
         if thread.is_alive():
             raise ExecutorDiedError(f"tensor parallelism could not start: the ranks did not meet within {RENDEZVOUS_TIMEOUT_S:.0f} s")
