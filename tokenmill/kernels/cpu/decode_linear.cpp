@@ -73,8 +73,8 @@ constexpr bool paired() {
   return kPairedBf16 && std::is_same_v<T, c10::BFloat16>;
 }
 
-// How far ahead of its reads a quantized kernel asks for its weights, in bytes (one prefetch per 64
-// bytes read). Those kernels spend several instructions per 64 bytes of weights (unpacking,
+// How far ahead of its reads a quantized kernel asks for its weights, in bytes (one prefetch per
+// step of its loop: 64 bytes of int4, 32 of int8). Those kernels spend several instructions per 64 bytes of weights (unpacking,
 // widening, scales) where the bf16 one spends one vdpbf16ps, so the out-of-order window reaches
 // few bytes ahead and the hardware prefetchers alone leave memory idle part of the time. A 1B
 // Llama's layers, one row, Zen 5: int4 with int8 activations 47 -> 53 GB/s (AVX2 build: 46 -> 62),
