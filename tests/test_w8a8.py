@@ -25,7 +25,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.quantization import W8A8Config, check_quantization, get_quantization_config, quant_utils as Q
-from tokenmill.layers.quantization.w8a8 import ACTIVATION_GROUP_SIZE, activation_groups, quantize_per_token, w8a8_linear_reference
+from tokenmill.layers.quantization.w8a8 import ACTIVATION_GROUP_SIZE, activation_groups, quantize_per_token_group, w8a8_linear_reference
 
 needs_kernels = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="tokenmill's CPU kernels are not built here")
 
@@ -39,7 +39,7 @@ GROUPS = [0, ACTIVATION_GROUP_SIZE, 32, 4]
 
 def _fake_quantized(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """x [M, K] quantized per row and group and dequantized again, in float64."""
-    qx, x_scale = quantize_per_token(x, group_size)
+    qx, x_scale = quantize_per_token_group(x, group_size)
     sizes = [b - a for a, b in activation_groups(x.shape[-1], group_size)]
     return qx.double() * x_scale.double().repeat_interleave(torch.tensor(sizes), dim=1)
 
@@ -62,7 +62,7 @@ def test_w8a8_kernel_quantize_matches_reference(m, k, dtype, group):
     if m > 2:
         x[2] = 0.0  # an all-zero row: the smallest normal scale, and zeros
     q, scale = cpu.w8a8_quantize(x, group)
-    want_q, want_scale = quantize_per_token(x, group)
+    want_q, want_scale = quantize_per_token_group(x, group)
     assert scale.shape == (m, len(activation_groups(k, group)))
     assert torch.equal(scale, want_scale) and torch.equal(q, want_q)
     assert int(q.abs().max()) == 127  # each nonzero group uses the whole range

@@ -16,7 +16,7 @@ from torch import nn
 
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.attention_metadata import AttentionGroup, BatchInputs
-from tokenmill.layers.kv_quant import FP8_DTYPES, KVScales, is_quantized, quantize
+from tokenmill.layers.kv_quant import FP8_DTYPES, KVScales, is_quantized, quantize, scale_tensors
 
 
 # TOKENMILL_PROMPT_KERNEL=0 runs prompt chunks through the reference's gather + SDPA path on the CPU
@@ -119,7 +119,7 @@ class TorchPagedAttention:
         # Row copies into the cache viewed as [Hkv * slots, D]: far cheaper than index_copy_ along dim 1.
         head_dim = k_cache.shape[3]
         rows = batch.slot_rows(k_cache.shape[0], k_cache.shape[1] * k_cache.shape[2])
-        scales = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
+        scales = scale_tensors(kv_scales)
         for cache, new, cache_scale in ((k_cache, k, scales[0]), (v_cache, v, scales[1])):
             values, row_scales = quantize(new.transpose(0, 1).reshape(-1, head_dim), cache.dtype, cache_scale)
             # fp8 as its bytes: torch has no index_copy_ for float8 on CPU.
@@ -188,7 +188,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel takes any row stride, not other layouts
             q = q.contiguous()
         first_rows, starts, lens = group.prompt_rows_starts_lens(q.shape[0])
-        k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
+        k_scale, v_scale = scale_tensors(kv_scales)
         cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, first_rows, starts, lens, group.block_table, sliding_window, scale,
                                             k_scale=k_scale, v_scale=v_scale)
         return True
@@ -217,7 +217,7 @@ class CpuPagedAttention(TorchPagedAttention):
         kv_scales: KVScales | None = None,
     ) -> None:
         token_rows, positions = group.decode_rows_and_positions()
-        k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
+        k_scale, v_scale = scale_tensors(kv_scales)
         q = q.contiguous()
         prefix = None
         if group.shared_prefix is not None and sliding_window is None:
@@ -247,7 +247,7 @@ def _gather_context(
     b, ctx = group.block_table.shape[0], group.block_table.shape[1] * block_size
     rows = group.kv_rows(num_kv_heads, num_blocks)
     shape = (len(rows), block_size, head_dim)
-    scales = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
+    scales = scale_tensors(kv_scales)
     out = []
     for name, cache, cache_scale in (("k", k_cache, scales[0]), ("v", v_cache, scales[1])):
         stored = _bytes(cache).view(-1, block_size, head_dim)

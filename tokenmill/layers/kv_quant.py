@@ -68,6 +68,11 @@ class KVScales:
         return None
 
 
+def scale_tensors(scales: KVScales | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(K's, V's) scales of a quantized cache, (None, None) for an unquantized one."""
+    return (None, None) if scales is None else (scales.k, scales.v)
+
+
 def scale_bytes_per_block(cache_dtype: torch.dtype, num_kv_heads: int, block_size: int) -> int:
     """Bytes of K and V scales one block of a layer adds (int8's per-row scales; fp8's per-tensor ones are nothing)."""
     return 2 * num_kv_heads * block_size * 4 if cache_dtype == torch.int8 else 0

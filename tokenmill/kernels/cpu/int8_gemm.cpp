@@ -121,8 +121,6 @@ inline IVec dot4(IVec acc, XBcast x, IVec w) {
 }
 inline Vec to_float(IVec a) { return {_mm512_cvtepi32_ps(a)}; }
 inline IVec ivec_sub(IVec a, const int32_t* p) { return _mm512_sub_epi32(a, _mm512_loadu_si512(p)); }
-inline void ivec_store(int32_t* p, IVec a) { _mm512_storeu_si512(p, a); }
-inline IVec ivec_load_i32(const int32_t* p) { return _mm512_loadu_si512(p); }
 #elif defined(W8A8_ISA_MADDUBS512)
 using IVec = __m512i;
 struct XBcast {
@@ -143,8 +141,6 @@ inline IVec dot4(IVec acc, XBcast x, IVec w) {
 }
 inline Vec to_float(IVec a) { return {_mm512_cvtepi32_ps(a)}; }
 inline IVec ivec_sub(IVec a, const int32_t* p) { return _mm512_sub_epi32(a, _mm512_loadu_si512(p)); }
-inline void ivec_store(int32_t* p, IVec a) { _mm512_storeu_si512(p, a); }
-inline IVec ivec_load_i32(const int32_t* p) { return _mm512_loadu_si512(p); }
 #elif defined(W8A8_ISA_AVX2)
 using IVec = __m256i;
 struct XBcast {
@@ -164,8 +160,6 @@ inline Vec to_float(IVec a) { return {_mm256_cvtepi32_ps(a)}; }
 inline IVec ivec_sub(IVec a, const int32_t* p) {
   return _mm256_sub_epi32(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline void ivec_store(int32_t* p, IVec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
-inline IVec ivec_load_i32(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 #endif
 
 // ---- activations: per-row quantize --------------------------------------------------------------

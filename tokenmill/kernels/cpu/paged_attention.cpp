@@ -420,25 +420,19 @@ void paged_decode_attention(
       TORCH_CHECK(tm[b] == 0 || (ts[b] >= 1 && ts[b] <= ps[b] && ts[b] + 64 - __builtin_clzll(static_cast<uint64_t>(tm[b])) <= table.size(1) * BS),
                   "paged_decode_attention: a tree row's slots must follow its context, within its block table");
   }
-  static const float kOne = 1.f;
-  const int64_t scale_stride = quantized ? tokenmill_cpu::check_kv_scales(k_cache, *k_scale, *v_scale, "paged_decode_attention") : 0;
-  const float* ks = quantized ? k_scale->data_ptr<float>() : &kOne;
-  const float* vs = quantized ? v_scale->data_ptr<float>() : &kOne;
+  const auto scales = tokenmill_cpu::kv_scale_pointers(k_cache, k_scale, v_scale, "paged_decode_attention");
   tokenmill_cpu::dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto* type_tag) {
     using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
     auto run = [&](auto* cache_tag) {
       using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
       decode_kernel<scalar_t, cache_t>(
-          q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(), ks, vs, scale_stride,
+          q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(), scales.k, scales.v, scales.stride,
           rows.data_ptr<int64_t>(), table.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
           t_start.defined() ? t_start.data_ptr<int64_t>() : nullptr, t_mask.defined() ? t_mask.data_ptr<int64_t>() : nullptr,
           out.data_ptr<scalar_t>(), B, Hkv, H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale), prefix_len,
           prefix_len > 0 ? prefix_o->data_ptr<float>() : nullptr, prefix_len > 0 ? prefix_lse->data_ptr<float>() : nullptr);
     };
-    if (quantized)
-      tokenmill_cpu::dispatch_quantized_cache(k_cache.scalar_type(), "paged_decode_attention", run);
-    else
-      run(static_cast<scalar_t*>(nullptr));
+    tokenmill_cpu::dispatch_kv_cache<scalar_t>(quantized, k_cache.scalar_type(), "paged_decode_attention", run);
   });
 }
 

@@ -452,23 +452,17 @@ void paged_prefill_attention(
     for (int64_t i = 0; i < (s[b] + n[b] + BS - 1) / BS; ++i)
       TORCH_CHECK(tb[b * table.size(1) + i] >= 0 && tb[b * table.size(1) + i] < NB, "paged_prefill_attention: block out of range");
   }
-  const int64_t scale_stride = quantized ? tokenmill_cpu::check_kv_scales(k_cache, *k_scale, *v_scale, "paged_prefill_attention") : 0;
-  static const float kOne = 1.f;
-  const float* ks = quantized ? k_scale->data_ptr<float>() : &kOne;
-  const float* vs = quantized ? v_scale->data_ptr<float>() : &kOne;
+  const auto scales = tokenmill_cpu::kv_scale_pointers(k_cache, k_scale, v_scale, "paged_prefill_attention");
   tokenmill_cpu::dispatch_float_types(q.scalar_type(), "paged_prefill_attention", [&](auto* type_tag) {
     using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
     auto run = [&](auto* cache_tag) {
       using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
       prefill_kernel<scalar_t, cache_t>(
           q.data_ptr<scalar_t>(), q.stride(0), static_cast<const cache_t*>(k_cache.data_ptr()),
-          static_cast<const cache_t*>(v_cache.data_ptr()), ks, vs, scale_stride, r, s, n, tb, out.data_ptr<scalar_t>(), B, Hkv,
-          H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale), rows_per_task > 0 ? rows_per_task : kRowsPerTask);
+          static_cast<const cache_t*>(v_cache.data_ptr()), scales.k, scales.v, scales.stride, r, s, n, tb, out.data_ptr<scalar_t>(),
+          B, Hkv, H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale), rows_per_task > 0 ? rows_per_task : kRowsPerTask);
     };
-    if (quantized)
-      tokenmill_cpu::dispatch_quantized_cache(k_cache.scalar_type(), "paged_prefill_attention", run);
-    else
-      run(static_cast<scalar_t*>(nullptr));
+    tokenmill_cpu::dispatch_kv_cache<scalar_t>(quantized, k_cache.scalar_type(), "paged_prefill_attention", run);
   });
 }
 
@@ -560,10 +554,7 @@ std::tuple<at::Tensor, at::Tensor> cascade_prefix_attention(
   const int64_t* pb = blocks.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(r[b] >= 0 && r[b] < q.size(0), "cascade_prefix_attention: token row out of range");
   for (int64_t i = 0; i < blocks.size(0); ++i) TORCH_CHECK(pb[i] >= 0 && pb[i] < NB, "cascade_prefix_attention: block out of range");
-  const int64_t scale_stride = quantized ? tokenmill_cpu::check_kv_scales(k_cache, *k_scale, *v_scale, "cascade_prefix_attention") : 0;
-  static const float kOne = 1.f;
-  const float* ks = quantized ? k_scale->data_ptr<float>() : &kOne;
-  const float* vs = quantized ? v_scale->data_ptr<float>() : &kOne;
+  const auto scales = tokenmill_cpu::kv_scale_pointers(k_cache, k_scale, v_scale, "cascade_prefix_attention");
   auto o = at::empty({B, H, D}, q.options().dtype(at::kFloat));
   auto lse = at::empty({B, H}, q.options().dtype(at::kFloat));
   tokenmill_cpu::dispatch_float_types(q.scalar_type(), "cascade_prefix_attention", [&](auto* type_tag) {
@@ -572,13 +563,10 @@ std::tuple<at::Tensor, at::Tensor> cascade_prefix_attention(
       using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
       cascade_prefix_kernel<scalar_t, cache_t>(
           q.data_ptr<scalar_t>(), static_cast<const cache_t*>(k_cache.data_ptr()), static_cast<const cache_t*>(v_cache.data_ptr()),
-          ks, vs, scale_stride, r, pb, o.data_ptr<float>(), lse.data_ptr<float>(), B, Hkv, H / Hkv, D, NB, BS, prefix_len,
-          static_cast<float>(scale), rows_per_task > 0 ? rows_per_task : kRowsPerTask);
+          scales.k, scales.v, scales.stride, r, pb, o.data_ptr<float>(), lse.data_ptr<float>(), B, Hkv, H / Hkv, D, NB, BS,
+          prefix_len, static_cast<float>(scale), rows_per_task > 0 ? rows_per_task : kRowsPerTask);
     };
-    if (quantized)
-      tokenmill_cpu::dispatch_quantized_cache(k_cache.scalar_type(), "cascade_prefix_attention", run);
-    else
-      run(static_cast<scalar_t*>(nullptr));
+    tokenmill_cpu::dispatch_kv_cache<scalar_t>(quantized, k_cache.scalar_type(), "cascade_prefix_attention", run);
   });
   return {o, lse};
 }

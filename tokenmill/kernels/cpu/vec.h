@@ -26,6 +26,7 @@
 #endif
 
 #include <cstdint>
+#include <optional>
 
 #if defined(__AVX512F__)
 #define TOKENMILL_SIMD 512
@@ -77,6 +78,31 @@ inline int64_t check_kv_scales(const at::Tensor& cache, const at::Tensor& k_scal
   }
   TORCH_CHECK(k_scale.numel() == 1 && v_scale.numel() == 1, op, ": fp8 KV scales must hold one value each (per tensor)");
   return 0;
+}
+
+// A KV cache's scales as the attention kernels read them: row r of head h's K scale at k[(h * NB * BS +
+// r) * stride], V's likewise (int8: per row, stride 1; fp8: one value, stride 0; unquantized: 1.0).
+struct KVScalePointers {
+  const float* k;
+  const float* v;
+  int64_t stride;
+};
+inline KVScalePointers kv_scale_pointers(const at::Tensor& cache, const std::optional<at::Tensor>& k_scale,
+                                         const std::optional<at::Tensor>& v_scale, const char* op) {
+  static const float kOne = 1.f;
+  if (!k_scale.has_value()) return {&kOne, &kOne, 0};
+  const int64_t stride = check_kv_scales(cache, *k_scale, *v_scale, op);
+  return {k_scale->data_ptr<float>(), v_scale->data_ptr<float>(), stride};
+}
+
+// f(static_cast<T*>(nullptr)) for the element type T of a KV cache: scalar_t (the queries' dtype) when
+// it is not quantized, else as dispatch_quantized_cache.
+template <typename scalar_t, typename F>
+inline void dispatch_kv_cache(bool quantized, at::ScalarType type, const char* op, F&& f) {
+  if (quantized)
+    dispatch_quantized_cache(type, op, f);
+  else
+    f(static_cast<scalar_t*>(nullptr));
 }
 
 // The vector code a build runs, as the kernels' `vector_isa` op reports it (tests check it).

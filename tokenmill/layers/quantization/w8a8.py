@@ -58,7 +58,7 @@ def activation_groups(in_features: int, group_size: int) -> list[tuple[int, int]
     return [(k, min(in_features, k + size)) for k in range(0, in_features, size)]
 
 
-def quantize_per_token(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token_group(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 of x [M, K] per row and group of group_size features (0: the whole row): (q int8
     [M, K] in -127..127, scale float32 [M, groups]), what the kernel's quantize computes, bit for bit
     (a zero group gets the smallest normal scale and zeros)."""
@@ -75,7 +75,7 @@ def w8a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch
     """What the W8A8 kernel computes, in plain PyTorch: each group's integer products summed in
     acc_dtype (float64: exact; float32: exact while |sum| < 2^24), then the kernel's float32 sums and
     epilogue, in its order."""
-    qx, x_scale = quantize_per_token(x, group_size)
+    qx, x_scale = quantize_per_token_group(x, group_size)
     total = torch.zeros(x.shape[0], qweight.shape[0])
     for g, (a, b) in enumerate(activation_groups(x.shape[-1], group_size)):
         acc = (qx[:, a:b].to(acc_dtype) @ qweight[:, a:b].to(acc_dtype).t()).float()
