@@ -48,8 +48,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, max_position: int, freq_factors: torch.Tensor | None = None) -> None:
         super().__init__()
         inv_freq, scaling = rope_inv_freq(config, head_dim)
+        # Scaled RoPE's transformers functions and a GGUF's factors give CPU tensors; the tables belong on
+        # the device the model is being built on (loader/__init__.py builds it under `with device:`).
+        inv_freq = inv_freq.to(torch.get_default_device())
         if freq_factors is not None:  # llama.cpp's per-frequency factors (llama3 scaling baked into a GGUF)
-            inv_freq = inv_freq / freq_factors.float()
+            inv_freq = inv_freq / freq_factors.float().to(inv_freq.device)
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
