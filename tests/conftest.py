@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+# The test suite's many engines (and servers in subprocesses, which inherit this) leave their KV caches
+# to fault in as used: prefaulting each one's whole cache would commit GBs per live engine.
+# tests/test_cpu_memory.py turns it on where it is tested.
+os.environ.setdefault("TOKENMILL_KV_PREFAULT", "0")
+
 VOCAB = 512
 MAX_POS = 256
 

@@ -260,7 +260,19 @@ def _load_engine(args: argparse.Namespace):
     from tokenmill.entrypoints.cli import engine_config_from_args
 
     config = engine_config_from_args(args)
-    return DataParallelEngine(config) if config.parallel.data_parallel_size > 1 else LLMEngine(config)
+    engine = DataParallelEngine(config) if config.parallel.data_parallel_size > 1 else LLMEngine(config)
+    _wait_for_kv_cache(engine)
+    return engine
+
+
+def _wait_for_kv_cache(engine) -> None:
+    """Let the KV cache's pages fault in first (worker/cpu_memory.py's KVPrefault, rank 0's), so the timed
+    runs see the engine as it runs once warm, as vLLM's and llama.cpp's are: they fill their caches at start."""
+    runner = getattr(getattr(engine, "executor", None), "driver_runner", None)
+    prefault = getattr(runner, "kv_prefault", None)
+    if prefault is not None and not prefault.wait(0):
+        print("faulting in the KV cache's pages before timing...", file=sys.stderr)
+        prefault.wait()
 
 
 def _engine_info(engine) -> dict:

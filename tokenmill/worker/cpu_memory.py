@@ -15,7 +15,15 @@ glibc's mmap threshold was mapped, faulted in and unmapped again on every layer.
   every 128-byte K/V row straddle three cache lines) and lies in transparent huge pages (where THP
   is in "madvise" mode), so its first touch faults once per 2 MB instead of once per 4 KB.
 
-Both are best effort: elsewhere they do nothing.
+- KVPrefault: faults the KV cache's pages in ahead of use, on a background thread at the lowest
+  priority, in the order the block pool hands blocks out: a first touch costs far more than the
+  write itself (on the VMs measured here 0.4-0.9 GB/s, huge pages or not), and a never-used block
+  is what a new request gets while the pool has any (freed blocks stay cached for prefix hits).
+  Workload A on SmolLM2 bf16 ran 8% faster on a cache faulted in beforehand. madvise's
+  MADV_POPULATE_WRITE (Linux 5.14) faults pages writable without writing them, so blocks the engine
+  is already using keep their contents.
+
+All are best effort: elsewhere they do nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +32,9 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
+import threading
+import weakref
 
 import numpy as np
 import torch
@@ -32,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23
+_PAGE = 4096
 _HUGE_PAGE = 2 << 20
 
 
@@ -79,3 +92,62 @@ def zeros_huge_page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> np.nd
     buf = raw[offset : offset + nbytes]
     advise_huge_pages(buf)
     return buf.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize]).reshape(shape)
+
+
+def _madvise(libc: ctypes.CDLL, start: int, length: int, advice: int) -> bool:
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(start, length, advice) == 0
+
+
+# Disables the KV cache prefault (KVPrefault): "0" leaves the cache's pages to be faulted in by use.
+KV_PREFAULT_ENV = "TOKENMILL_KV_PREFAULT"
+# Bytes one madvise call faults in: small enough that the call (which holds the address space's
+# lock for reading) never keeps an munmap waiting long, a few ms at the slowest rate seen.
+_PREFAULT_CHUNK = 4 << 20
+
+
+class KVPrefault:
+    """Faults in the pages of KV cache tensors [num_kv_heads, num_blocks, block_size, head_dim] on a
+    daemon thread at nice 19, block range by block range from block 0 (each range in every tensor and
+    head), so it uses idle CPU and the blocks handed out first are ready first. It holds the tensors
+    weakly and stops once they are freed. wait() blocks until it is done (the benchmarks call it, to
+    time the engine as it runs once warm, as the peers' engines are: they fill their caches at start)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._done = threading.Event()
+        libc = _libc()
+        if (not tensors or os.environ.get(KV_PREFAULT_ENV, "1") == "0" or libc is None or not hasattr(libc, "madvise")
+                or any(t.device.type != "cpu" or t.dim() != 4 or not t.is_contiguous() for t in tensors)):
+            self._done.set()
+            return
+        refs = [weakref.ref(t) for t in tensors]
+        threading.Thread(target=self._run, args=(libc, refs), name="tokenmill-kv-prefault", daemon=True).start()
+
+    def _run(self, libc: ctypes.CDLL, refs: list[weakref.ref]) -> None:
+        try:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+            except (AttributeError, OSError):
+                pass
+            num_blocks = max(ref().shape[1] for ref in refs)
+            step = max(1, _PREFAULT_CHUNK // max(ref()[0, 0].nbytes for ref in refs))
+            for first in range(0, num_blocks, step):
+                for ref in refs:
+                    t = ref()
+                    if t is None:  # the cache was freed (its engine is gone)
+                        return
+                    block = t[0, 0].nbytes
+                    length = (min(first + step, t.shape[1]) - first) * block
+                    for head in range(t.shape[0]):
+                        start = t.data_ptr() + (head * t.shape[1] + first) * block
+                        aligned = start // _PAGE * _PAGE
+                        if not _madvise(libc, aligned, start + length - aligned, _MADV_POPULATE_WRITE):
+                            logger.debug("MADV_POPULATE_WRITE failed (errno %d): the KV cache faults in as it is used", ctypes.get_errno())
+                            return
+                    del t
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once every page is in (or prefaulting was skipped or stopped)."""
+        return self._done.wait(timeout)

@@ -15,7 +15,7 @@ from tokenmill.layers.attention_metadata import BatchInputs
 from tokenmill.layers.kv_quant import KVScales, kv_storage_dtype, scale_bytes_per_block
 from tokenmill.spec_decode.verify import draft_rows, kept_tree_rows, num_kept
 from tokenmill.worker.batch import build_batch_inputs
-from tokenmill.worker.cpu_memory import tune_malloc, zeros_huge_page_aligned
+from tokenmill.worker.cpu_memory import KVPrefault, tune_malloc, zeros_huge_page_aligned
 from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
 
 
@@ -52,6 +52,7 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.num_blocks = 0
+        self.kv_prefault = KVPrefault([])  # done at once; allocate_kv_cache starts the CPU cache's
         # Called after each pass with (chunks, hidden states of the batch, each chunk's kept tokens, empty
         # where it did not sample): the medusa proposer drafts from the rows that sampled
         # (worker/medusa_proposer.py), the eagle proposer keeps every kept row's state
@@ -91,12 +92,14 @@ class ModelRunner:
             layer.v_cache = self._zeros(shape)
             layer.kv_scales = KVScales.allocate(self.kv_dtype, shape, self.device)
         self.num_blocks = num_blocks
+        if self.device.type == "cpu":  # see _zeros: the pages are faulted in ahead, in the background
+            self.kv_prefault = KVPrefault([t for layer in self.attn_layers for t in (layer.k_cache, layer.v_cache)])
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        # numpy's zeros comes from calloc: the OS hands out zero pages lazily, so a large
-        # cache costs no start-up time and RAM is only touched as blocks get used.
+        # numpy's zeros comes from calloc: the OS hands out zero pages lazily, so a large cache
+        # costs no start-up time; KVPrefault then faults them in on a low-priority thread.
         return torch.from_numpy(zeros_huge_page_aligned(shape, self.kv_dtype)).view(self.kv_dtype)
 
     @torch.inference_mode()

@@ -1,0 +1,79 @@
+"""worker/cpu_memory.py's KV cache prefault: it faults pages in without changing what blocks hold,
+stops when the cache is freed, and an engine with it on computes what one without it does."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import weakref
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from tokenmill import LLM, SamplingParams
+from tokenmill.worker.cpu_memory import KV_PREFAULT_ENV, KVPrefault, zeros_huge_page_aligned
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_POPULATE_WRITE) is Linux's")
+
+
+@pytest.fixture(autouse=True)
+def _prefault_on(monkeypatch):
+    monkeypatch.setenv(KV_PREFAULT_ENV, "1")  # conftest.py turns it off for the rest of the suite
+
+
+def kv_tensor(heads: int, blocks: int, dtype=torch.bfloat16) -> torch.Tensor:
+    shape = (heads, blocks, 16, 64)
+    return torch.from_numpy(zeros_huge_page_aligned(shape, dtype)).view(dtype)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_pages_fault_in_and_blocks_keep_their_contents():
+    caches = [kv_tensor(3, 4096), kv_tensor(3, 4096, torch.float32)]  # 24 MB and 48 MB, never touched
+    caches[0][1, 7] = 1.5  # blocks in use before the prefault starts
+    caches[1][2, 4000] = -2.0
+    before = resident_bytes()
+    assert KVPrefault(caches).wait(60)
+    assert resident_bytes() - before >= 0.9 * sum(c.nbytes for c in caches)
+    assert (caches[0][1, 7] == 1.5).all() and (caches[1][2, 4000] == -2.0).all()
+    assert caches[0].sum() == 1.5 * 16 * 64 and caches[1].sum() == -2.0 * 16 * 64  # nothing else written
+
+
+def test_a_freed_cache_is_not_kept_alive():
+    """The thread holds the cache weakly: freed, its memory goes at once (not after the 2 GB are faulted in), and the thread ends."""
+    cache = kv_tensor(8, 1 << 17)
+    ref = weakref.ref(cache)
+    prefault = KVPrefault([cache])
+    del cache
+    for _ in range(100):  # the thread holds it strongly only while it faults one range in (4 MB)
+        gc.collect()
+        if ref() is None:
+            break
+        time.sleep(0.01)
+    assert ref() is None
+    assert prefault.wait(30)
+
+
+def test_turned_off_or_nothing_to_do(monkeypatch):
+    monkeypatch.setenv(KV_PREFAULT_ENV, "0")
+    assert KVPrefault([kv_tensor(1, 64)]).wait(0)
+    monkeypatch.setenv(KV_PREFAULT_ENV, "1")
+    assert KVPrefault([]).wait(0)
+
+
+def test_an_engine_prefaulting_computes_the_same(tiny_model_factory):
+    prompts = random_prompts([5, 40, 70], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = []
+    for setting in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(KV_PREFAULT_ENV, setting)
+            llm = LLM(model=tiny_model_factory("llama_gqa"), dtype="float32", block_size=4, num_kv_blocks=4096)
+            assert llm.llm_engine.executor.driver_runner.kv_prefault.wait(60)
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)])
+    assert outputs[0] == outputs[1]
