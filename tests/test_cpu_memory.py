@@ -4,6 +4,7 @@ stops when the cache is freed, and an engine with it on computes what one withou
 from __future__ import annotations
 
 import gc
+import mmap
 import sys
 import time
 import weakref
@@ -28,13 +29,19 @@ def kv_tensor(heads: int, blocks: int, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.from_numpy(zeros_huge_page_aligned(shape, dtype)).view(dtype)
 
 
+def fresh_kv_tensor(heads: int, blocks: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """A cache in a fresh anonymous mapping: never touched, whatever the allocator holds warm."""
+    nbytes = heads * blocks * 16 * 64 * torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(heads, blocks, 16, 64)
+
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
 
 def test_pages_fault_in_and_blocks_keep_their_contents():
-    caches = [kv_tensor(3, 4096), kv_tensor(3, 4096, torch.float32)]  # 24 MB and 48 MB, never touched
+    caches = [fresh_kv_tensor(3, 4096), fresh_kv_tensor(3, 4096, torch.float32)]  # 24 MB and 48 MB
     caches[0][1, 7] = 1.5  # blocks in use before the prefault starts
     caches[1][2, 4000] = -2.0
     before = resident_bytes()
