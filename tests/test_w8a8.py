@@ -183,16 +183,24 @@ class FakeQuantActivations:
         return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
-def _fake_quantized_reference(src: str, dst, monkeypatch) -> LLM:
+class FakeQuantHead(FakeQuantActivations):
+    """The same for the LM head (quantize_lm_head), whose method takes no bias."""
+
+    def apply(self, layer, hidden: torch.Tensor) -> torch.Tensor:
+        return super().apply(layer, hidden, None)
+
+
+def _fake_quantized_reference(src: str, dst, monkeypatch, lm_head: bool = False) -> LLM:
     from transformers import AutoModelForCausalLM
 
     import tokenmill.layers.quantization.unquantized as unquantized
+    from tokenmill.layers.embedding import LMHead
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     assert not model.config.tie_word_embeddings
     with torch.no_grad():
         for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name != "lm_head":  # w8a8 leaves the LM head alone
+            if isinstance(module, torch.nn.Linear) and (lm_head or name != "lm_head"):  # w8a8 leaves the LM head alone by default
                 module.weight.copy_(Q.dequantize_int8(*Q.quantize_int8(module.weight)))
     model.save_pretrained(dst, safe_serialization=True)
     with monkeypatch.context() as patch:  # float weights as they are (not prepacked): the fake method reads them
@@ -201,6 +209,8 @@ def _fake_quantized_reference(src: str, dst, monkeypatch) -> LLM:
     for module in llm.llm_engine.executor.driver_runner.model.modules():
         if isinstance(module, Linear):
             module.method = FakeQuantActivations()
+        elif lm_head and isinstance(module, LMHead):
+            module.method = FakeQuantHead()
     return llm
 
 
@@ -212,6 +222,17 @@ def test_w8a8_engine_computes_the_fake_quantized_model(tiny_model_factory, tmp_p
     quantized = LLM(src, dtype="float32", num_kv_blocks=64, quantization="w8a8")
     # 40 tokens: w8a8 runs one path at every row count, and a longer prompt meets an activation whose
     # float64 (reference) and float32 (kernel) values round to different int8 levels (logits 0.017 apart).
+    assert_engine_computes(quantized, reference, prompt_len=40)
+
+
+@needs_kernels
+def test_w8a8_with_its_lm_head_computes_the_fake_quantized_model(tiny_model_factory, tmp_path, monkeypatch):
+    """quantize_lm_head: the logits too come from the w8a8 GEMM (int8 weight per vocabulary row, activations per group)."""
+    src = tiny_model_factory("llama_bias")
+    reference = _fake_quantized_reference(src, tmp_path / "fake", monkeypatch, lm_head=True)
+    quantized = LLM(src, dtype="float32", num_kv_blocks=64, quantization="w8a8", quantization_options={"quantize_lm_head": True})
+    head = quantized.llm_engine.executor.driver_runner.model.lm_head
+    assert head.packed_weight.dtype == torch.int8 and head.weight.numel() > 0  # the float weight stays for the embedding
     assert_engine_computes(quantized, reference, prompt_len=40)
 
 
@@ -232,7 +253,7 @@ def test_w8a8_weights_replace_the_float_ones(tiny_model_factory):
 
 def test_w8a8_settings():
     check_quantization("w8a8")
-    with pytest.raises(ValueError, match=r"unknown quantization option\(s\) 'group_size' for 'w8a8'; allowed: activation_group_size"):
+    with pytest.raises(ValueError, match=r"unknown quantization option\(s\) 'group_size' for 'w8a8'; allowed: activation_group_size, quantize_lm_head"):
         check_quantization("w8a8", {"group_size": 32})
     config = get_quantization_config("w8a8", None, torch.device("cpu"), torch.float32)
     assert isinstance(config, W8A8Config) and config.name == "w8a8" and config.activation_group_size == 128
@@ -242,6 +263,9 @@ def test_w8a8_settings():
         with pytest.raises(ValueError, match="activation_group_size must be 0 .one scale per token. or a positive multiple of 4"):
             get_quantization_config("w8a8", {"activation_group_size": bad}, torch.device("cpu"), torch.float32)
     assert config.prepack_lm_head == torch.backends.mkldnn.is_available()  # float32 heads are prepacked wherever oneDNN runs
+    assert not config.quantize_lm_head
+    with pytest.raises(ValueError, match="quantize_lm_head must be true or false"):
+        get_quantization_config("w8a8", {"quantize_lm_head": "yes"}, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="runs on CPU only"):
         get_quantization_config("w8a8", None, torch.device("cuda"), torch.float16)
 

@@ -44,6 +44,10 @@
 //
 // Work split: panels of kPanel channels (and, at prompt sizes, blocks of rows, see row_blocks)
 // across threads; inside a task, kMR rows at a time against one panel, accumulators in registers.
+// At decode sizes each panel comes from memory once and is read again from the caches for each
+// tile of rows; meanwhile the thread prefetches the next panel it will compute into L2 (NextPanel).
+// SmolLM2's 30 layers of weights streamed at 32 rows: 7.79 -> 7.15 ms (1.09x), as fast as with the
+// weights in cache; at 8 rows 1.03x (a scratch benchmark, alternating in one process, Zen 5).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -88,6 +92,7 @@ constexpr int kOffset = 0;
 constexpr const char* kIsa = "scalar";
 #endif
 constexpr int kPanel = kLanes * kVecs;  // output channels per packed panel
+constexpr int kLinesPerStep = std::max(1, 4 * kPanel / 64);  // cache lines of a panel one step of k (4 inputs) reads
 
 #if defined(W8A8_ISA_VNNI512) || defined(W8A8_ISA_MADDUBS512) || defined(W8A8_ISA_AVX2)
 #define W8A8_SIMD 1
@@ -245,10 +250,20 @@ inline T epilogue_one(float s, int64_t n, const Epilogue& e) {
   return static_cast<T>(y);
 }
 
+// The panel a thread computes next, prefetched into L2 while it computes this one (decode sizes,
+// where each panel is read once from memory and then again from the caches for each tile of rows):
+// each step of a tile also asks for `lines` of the next panel's 4 cache lines at that step, from
+// `first_line`, so the tiles of rows between them ask for all 4. panel = nullptr: none.
+struct NextPanel {
+  const int8_t* panel = nullptr;
+  int first_line = 0, lines = 0;
+};
+
 // Rows [m, m + MR) of y against one panel (channels [n0, n0 + kPanel)): xq rows of Kp bytes,
 // panel Kp * kPanel bytes.
 template <int MR, typename T>
-inline void tile(const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, int64_t n0, const Epilogue& e, T* y) {
+inline void tile(const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, int64_t n0, const Epilogue& e, T* y,
+                 const NextPanel& next) {
   const int64_t quads = Kp / 4, group_quads = e.G / 4;
 #if defined(W8A8_SIMD)
   // The groups' float sums live in L1, not in registers: the int32 accumulators take them all (VNNI:
@@ -261,6 +276,8 @@ inline void tile(const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, 
       for (int v = 0; v < kVecs; ++v) acc[r][v] = ivec_zero();
     for (int64_t g = a * group_quads; g < std::min(quads, (a + 1) * group_quads); ++g) {
       const int8_t* wp = panel + g * (4 * kPanel);
+      if (next.panel)
+        for (int j = 0; j < next.lines; ++j) __builtin_prefetch(next.panel + g * (4 * kPanel) + (next.first_line + j) * 64, 0, 2);
       IVec w[kVecs];
       for (int v = 0; v < kVecs; ++v) w[v] = ivec_load(wp + v * 4 * kLanes);
       for (int r = 0; r < MR; ++r) {
@@ -318,13 +335,13 @@ inline void tile(const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, 
 // tile<rows> for rows = 1..MR (the accumulators stay in registers only with a compile-time row count).
 template <int MR, typename T>
 inline void tile_rows(int rows, const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, int64_t n0, const Epilogue& e,
-                      T* y) {
+                      T* y, const NextPanel& next) {
   if constexpr (MR == 1) {
-    tile<1>(xq, Kp, panel, m, n0, e, y);
+    tile<1>(xq, Kp, panel, m, n0, e, y, next);
   } else if (rows == MR) {
-    tile<MR>(xq, Kp, panel, m, n0, e, y);
+    tile<MR>(xq, Kp, panel, m, n0, e, y, next);
   } else {
-    tile_rows<MR - 1>(rows, xq, Kp, panel, m, n0, e, y);
+    tile_rows<MR - 1>(rows, xq, Kp, panel, m, n0, e, y, next);
   }
 }
 
@@ -445,11 +462,19 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     const int64_t rows_per_block = (row_tiles + blocks - 1) / blocks * kMR;
     const int8_t* pw = packed.data_ptr<int8_t>();
     T* yp = y.data_ptr<T>();
+    const bool prefetch = blocks == 1;  // decode sizes: one block of rows per panel
+    const int lines_per_tile = static_cast<int>((kLinesPerStep + row_tiles - 1) / row_tiles);
     at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t p = t / blocks, m0 = (t % blocks) * rows_per_block, m1 = std::min(M, m0 + rows_per_block);
-        for (int64_t m = m0; m < m1; m += kMR)
-          tile_rows<kMR>(static_cast<int>(std::min<int64_t>(kMR, m1 - m)), xq.get(), Kp, pw + p * Kp * kPanel, m, p * kPanel, e, yp);
+        NextPanel next;
+        if (prefetch && t + 1 < end) next.panel = pw + (p + 1) * Kp * kPanel;
+        for (int64_t m = m0; m < m1; m += kMR) {
+          const int i = static_cast<int>((m - m0) / kMR);
+          next.first_line = std::min(kLinesPerStep, i * lines_per_tile);
+          next.lines = std::min(kLinesPerStep - next.first_line, lines_per_tile);
+          tile_rows<kMR>(static_cast<int>(std::min<int64_t>(kMR, m1 - m)), xq.get(), Kp, pw + p * Kp * kPanel, m, p * kPanel, e, yp, next);
+        }
       }
     });
   });

@@ -19,9 +19,11 @@ weights (all of SmolLM2-135M's layers, weights read from memory: 1.35x at one ro
 eight; more where they sit in cache, benchmarks/int8_gemm.py), so there is nothing to gain from
 switching.
 
-The LM head stays in the model dtype (as vLLM leaves it for W8A8 checkpoints): quantizing the
-logits' input per token costs the most accuracy of any layer, and the unquantized head is already
-a prepacked oneDNN GEMM on CPUs (float32, or bf16 with native bf16). The input embedding only gathers rows.
+The LM head stays in the model dtype by default (as vLLM leaves it for W8A8 checkpoints): quantizing
+the logits' input costs accuracy (SmolLM2: +0.4% perplexity more with groups of 128, README), and the
+unquantized head is already a prepacked oneDNN GEMM on CPUs (float32, or bf16 with native bf16).
+`quantize_lm_head: true` runs it through the w8a8 GEMM too, for speed where the head is a large
+part of a step (a fifth of a 113M Llama's multiplies at 32 rows). The input embedding only gathers rows.
 
 Not done: the activation quantize fused into the RMSNorm before the layer (the quantize is one
 pass over x inside the GEMM op, small next to the multiply), and SmoothQuant scales from a
@@ -110,29 +112,54 @@ class W8A8LinearMethod(LinearMethodBase):
         free_parameter(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = as_rows(x)
-        if hasattr(layer, "packed_weight"):
-            y = cpu_kernels.w8a8_linear(flat, layer.packed_weight, layer.weight_colsum, layer.weight_scale, bias, self.group_size)
-        else:  # float32 sums: exact for any realistic layer, and much faster than float64
-            y = w8a8_linear_reference(flat, layer.qweight, layer.weight_scale, bias, self.group_size, acc_dtype=torch.float32)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return w8a8_apply(layer, x, bias, self.group_size)
+
+
+def w8a8_apply(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """y = x W^T + b through what store_w8a8 kept: the kernel, or its PyTorch reference."""
+    flat = as_rows(x)
+    if hasattr(layer, "packed_weight"):
+        y = cpu_kernels.w8a8_linear(flat, layer.packed_weight, layer.weight_colsum, layer.weight_scale, bias, group_size)
+    else:  # float32 sums: exact for any realistic layer, and much faster than float64
+        y = w8a8_linear_reference(flat, layer.qweight, layer.weight_scale, bias, group_size, acc_dtype=torch.float32)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class W8A8LMHeadMethod(UnquantizedEmbeddingMethod):
+    """An LM head whose logits come from the w8a8 GEMM on an int8 copy of its weight. The float weight
+    stays: a tied input embedding gathers its rows."""
+
+    def __init__(self, activation_group_size: int) -> None:
+        super().__init__(prepack=False)
+        self.group_size = activation_group_size
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        store_w8a8(layer, *quant_utils.quantize_int8(layer.weight.data), self.group_size)
+
+    def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return w8a8_apply(layer, hidden, None, self.group_size)
 
 
 @dataclass
 class W8A8Config(QuantizationConfig):
-    """`w8a8` for every linear layer; the LM head and the embedding stay in the model dtype."""
+    """`w8a8` for every linear layer (and the LM head with quantize_lm_head); the embedding stays in the model dtype."""
 
     prepack_lm_head: bool = False  # the head's float weight prepacked for oneDNN (float32, or bf16 with native bf16)
     activation_group_size: int = ACTIVATION_GROUP_SIZE  # input features per activation scale; 0: one per token
+    quantize_lm_head: bool = False  # the LM head as w8a8 too (its float weight stays for the input embedding)
 
     def __post_init__(self) -> None:
         self.name = "w8a8"
         size = self.activation_group_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size % 4:
             raise ValueError(f"w8a8: activation_group_size must be 0 (one scale per token) or a positive multiple of 4, got {size!r}")
+        if not isinstance(self.quantize_lm_head, bool):
+            raise ValueError(f"w8a8: quantize_lm_head must be true or false, got {self.quantize_lm_head!r}")
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
         return W8A8LinearMethod(self.activation_group_size)
 
     def embedding_method(self, prefix: str) -> EmbeddingMethodBase:
+        if self.quantize_lm_head and is_lm_head(prefix):
+            return W8A8LMHeadMethod(self.activation_group_size)
         return UnquantizedEmbeddingMethod(self.prepack_lm_head and is_lm_head(prefix))
