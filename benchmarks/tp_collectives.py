@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from tokenmill.distributed.communicator import TPCommunicator, join_tensor_parallel
+from tokenmill.distributed.communicator import join_tensor_parallel
 from tokenmill.executor.tensor_parallel import cpu_share, free_port, pin_process
 
 

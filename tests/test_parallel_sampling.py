@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.kv_cache import cdiv

@@ -3,8 +3,6 @@ sampled distribution, the uniform generator, and SamplingParams validation."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 

@@ -279,7 +279,7 @@ def test_50_concurrent_streaming_clients(server, llm):
     want_text = [o.outputs[0].text for o in llm.generate(prompts, greedy(max_tokens), use_tqdm=False)]
 
     async def chat_client(c, messages):
-        text, usage, first = "", None, None
+        text, usage = "", None
         stream = await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
                                                  stream=True, stream_options={"include_usage": True})
         async for chunk in stream:

@@ -57,7 +57,6 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: Iterable[int]
     """The values (0 .. 2^bits - 1, int32) packed 32 / bits to an int32 along dim, value i of an int32 in
     its bits [bits * i, bits * (i + 1)). order: the channel each slot holds, within an int32's run of
     channels (AWQ's [0, 2, 4, 6, 1, 3, 5, 7]); by default slot i holds channel i."""
-    per = 32 // bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
     moved = packed.to(torch.int32).movedim(dim, -1)
     values = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., elements, per]
