@@ -51,6 +51,24 @@ def test_pages_fault_in_and_blocks_keep_their_contents():
     assert caches[0].sum() == 1.5 * 16 * 64 and caches[1].sum() == -2.0 * 16 * 64  # nothing else written
 
 
+def test_it_waits_for_an_idle_engine_unless_waited_on():
+    """While steps run (and IDLE_AFTER after) nothing is faulted in; idle, it goes on by itself; wait() makes it go on regardless."""
+    cache = fresh_kv_tensor(4, 4096)  # 32 MB
+    prefault = KVPrefault([cache])
+    before = resident_bytes()
+    with prefault.busy():
+        time.sleep(0.3)
+        assert not prefault.done() and resident_bytes() - before < cache.nbytes / 2
+    deadline = time.monotonic() + 30
+    while not prefault.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert prefault.done() and resident_bytes() - before >= 0.9 * cache.nbytes
+
+    busy_engine = KVPrefault([fresh_kv_tensor(4, 4096)])
+    with busy_engine.busy():
+        assert busy_engine.wait(30)
+
+
 def test_a_freed_cache_is_not_kept_alive():
     """The thread holds the cache weakly: freed, its memory goes at once (not after the 2 GB are faulted in), and the thread ends."""
     cache = kv_tensor(8, 1 << 17)

@@ -16,7 +16,7 @@ glibc's mmap threshold was mapped, faulted in and unmapped again on every layer.
   is in "madvise" mode), so its first touch faults once per 2 MB instead of once per 4 KB.
 
 - KVPrefault: faults the KV cache's pages in ahead of use, on a background thread at the lowest
-  priority, in the order the block pool hands blocks out: a first touch costs far more than the
+  priority while the engine is idle, in the order the block pool hands blocks out: a first touch costs far more than the
   write itself (on the VMs measured here 0.4-0.9 GB/s, huge pages or not), and a never-used block
   is what a new request gets while the pool has any (freed blocks stay cached for prefix hits).
   Workload A on SmolLM2 bf16 ran 8% faster on a cache faulted in beforehand. madvise's
@@ -28,13 +28,16 @@ All are best effort: elsewhere they do nothing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import logging
 import os
 import threading
+import time
 import weakref
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -101,20 +104,30 @@ def _madvise(libc: ctypes.CDLL, start: int, length: int, advice: int) -> bool:
 
 # Disables the KV cache prefault (KVPrefault): "0" leaves the cache's pages to be faulted in by use.
 KV_PREFAULT_ENV = "TOKENMILL_KV_PREFAULT"
-# Bytes one madvise call faults in: small enough that the call (which holds the address space's
-# lock for reading) never keeps an munmap waiting long, a few ms at the slowest rate seen.
-_PREFAULT_CHUNK = 4 << 20
+# Bytes one madvise call faults in (one huge page): a step that starts meanwhile waits for at most
+# that call (a few ms at the slowest rate seen), and so does an munmap (the call holds the address
+# space's lock for reading).
+_PREFAULT_CHUNK = 2 << 20
 
 
 class KVPrefault:
     """Faults in the pages of KV cache tensors [num_kv_heads, num_blocks, block_size, head_dim] on a
     daemon thread at nice 19, block range by block range from block 0 (each range in every tensor and
-    head), so it uses idle CPU and the blocks handed out first are ready first. It holds the tensors
-    weakly and stops once they are freed. wait() blocks until it is done (the benchmarks call it, to
-    time the engine as it runs once warm, as the peers' engines are: they fill their caches at start)."""
+    head), so the blocks handed out first are ready first. It works only while the engine is idle
+    (no step for IDLE_AFTER seconds; the runner wraps each step in busy()): a server fills its cache
+    between requests, and a busy engine (an offline batch, a short script) is not slowed by it (nor
+    does a short script fault in a cache it never uses). wait() lets it
+    run regardless and blocks until it is done (the benchmarks call it, to time the engine as it runs
+    once warm, as the peers' engines are: they fill their caches at start). It holds the tensors
+    weakly and stops once they are freed."""
+
+    IDLE_AFTER = 0.05  # seconds without a step before the engine counts as idle
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._done = threading.Event()
+        self._unhurried = threading.Event()  # set by wait(): fault in whether or not the engine is idle
+        self._steps = 0  # steps running (0 or 1)
+        self._last_step = time.monotonic()
         libc = _libc()
         if (not tensors or os.environ.get(KV_PREFAULT_ENV, "1") == "0" or libc is None or not hasattr(libc, "madvise")
                 or any(t.device.type != "cpu" or t.dim() != 4 or not t.is_contiguous() for t in tensors)):
@@ -122,6 +135,23 @@ class KVPrefault:
             return
         refs = [weakref.ref(t) for t in tensors]
         threading.Thread(target=self._run, args=(libc, refs), name="tokenmill-kv-prefault", daemon=True).start()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Around an engine step: no faulting in while it runs, nor for IDLE_AFTER seconds after."""
+        self._steps += 1
+        try:
+            yield
+        finally:
+            self._steps -= 1
+            self._last_step = time.monotonic()
+
+    def _wait_until_idle(self) -> None:
+        while not self._unhurried.is_set():
+            quiet = time.monotonic() - self._last_step
+            if self._steps == 0 and quiet >= self.IDLE_AFTER:
+                return
+            self._unhurried.wait(max(self.IDLE_AFTER - quiet, self.IDLE_AFTER / 2))
 
     def _run(self, libc: ctypes.CDLL, refs: list[weakref.ref]) -> None:
         try:
@@ -139,6 +169,7 @@ class KVPrefault:
                     block = t[0, 0].nbytes
                     length = (min(first + step, t.shape[1]) - first) * block
                     for head in range(t.shape[0]):
+                        self._wait_until_idle()
                         start = t.data_ptr() + (head * t.shape[1] + first) * block
                         aligned = start // _PAGE * _PAGE
                         if not _madvise(libc, aligned, start + length - aligned, _MADV_POPULATE_WRITE):
@@ -149,5 +180,10 @@ class KVPrefault:
             self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """True once every page is in (or prefaulting was skipped or stopped)."""
+        """Fault in the rest now, busy engine or not; True once every page is in (or prefaulting was
+        skipped or stopped)."""
+        self._unhurried.set()
         return self._done.wait(timeout)
+
+    def done(self) -> bool:
+        return self._done.is_set()

@@ -122,8 +122,13 @@ class ModelRunner:
                     cache = cache.view(torch.uint8)
                 cache.index_copy_(1, dst, cache.index_select(1, src))
 
-    @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], grammar_bitmask: torch.Tensor | None = None) -> "ModelRunnerOutput":
+        """One step (see _execute); the KV cache's prefault waits while it runs."""
+        with self.kv_prefault.busy():
+            return self._execute(chunks, grammar_bitmask)
+
+    @torch.inference_mode()
+    def _execute(self, chunks: list[ScheduledChunk], grammar_bitmask: torch.Tensor | None = None) -> "ModelRunnerOutput":
         """One forward pass over the mixed batch; for each chunk that ends its request's tokens, the sampled
         token (or, with drafts, the drafts kept and the token after them: spec_decode/verify.py) with logprobs,
         and the logprobs asked for (of sampled tokens, of prompt tokens).
