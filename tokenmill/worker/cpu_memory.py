@@ -16,12 +16,12 @@ glibc's mmap threshold was mapped, faulted in and unmapped again on every layer.
   is in "madvise" mode), so its first touch faults once per 2 MB instead of once per 4 KB.
 
 - KVPrefault: faults the KV cache's pages in ahead of use, on a background thread at the lowest
-  priority while the engine is idle, in the order the block pool hands blocks out: a first touch costs far more than the
-  write itself (on the VMs measured here 0.4-0.9 GB/s, huge pages or not), and a never-used block
-  is what a new request gets while the pool has any (freed blocks stay cached for prefix hits).
-  Workload A on SmolLM2 bf16 ran 8% faster on a cache faulted in beforehand. madvise's
-  MADV_POPULATE_WRITE (Linux 5.14) faults pages writable without writing them, so blocks the engine
-  is already using keep their contents.
+  priority while the engine is idle, in the order the block pool hands blocks out: a first touch
+  costs far more than the write itself (on the VMs measured here 0.4-0.9 GB/s, huge pages or not),
+  and a never-used block is what a new request gets while the pool has any (freed blocks stay
+  cached for prefix hits). Workload A on SmolLM2 bf16 ran 1.06x faster on a cache faulted in
+  beforehand (README). madvise's MADV_POPULATE_WRITE (Linux 5.14) faults pages writable without
+  writing them, so blocks the engine is already using keep their contents.
 
 All are best effort: elsewhere they do nothing.
 """
@@ -116,10 +116,10 @@ class KVPrefault:
     head), so the blocks handed out first are ready first. It works only while the engine is idle
     (no step for IDLE_AFTER seconds; the runner wraps each step in busy()): a server fills its cache
     between requests, and a busy engine (an offline batch, a short script) is not slowed by it (nor
-    does a short script fault in a cache it never uses). wait() lets it
-    run regardless and blocks until it is done (the benchmarks call it, to time the engine as it runs
-    once warm, as the peers' engines are: they fill their caches at start). It holds the tensors
-    weakly and stops once they are freed."""
+    does a short script fault in a cache it never uses). wait() lets it run regardless and blocks
+    until it is done (the benchmarks call it, to time the engine as it runs once warm, as the peers'
+    engines are: they fill their caches at start). It holds the tensors weakly and stops once they
+    are freed."""
 
     IDLE_AFTER = 0.05  # seconds without a step before the engine counts as idle
 

@@ -92,14 +92,14 @@ class ModelRunner:
             layer.v_cache = self._zeros(shape)
             layer.kv_scales = KVScales.allocate(self.kv_dtype, shape, self.device)
         self.num_blocks = num_blocks
-        if self.device.type == "cpu":  # see _zeros: the pages are faulted in ahead, in the background
+        if self.device.type == "cpu":  # see _zeros: the pages are faulted in ahead while the engine is idle
             self.kv_prefault = KVPrefault([t for layer in self.attn_layers for t in (layer.k_cache, layer.v_cache)])
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         # numpy's zeros comes from calloc: the OS hands out zero pages lazily, so a large cache
-        # costs no start-up time; KVPrefault then faults them in on a low-priority thread.
+        # costs no start-up time; KVPrefault then faults them in while the engine is idle.
         return torch.from_numpy(zeros_huge_page_aligned(shape, self.kv_dtype)).view(self.kv_dtype)
 
     @torch.inference_mode()
