@@ -69,6 +69,19 @@ def test_it_waits_for_an_idle_engine_unless_waited_on():
         assert busy_engine.wait(30)
 
 
+def test_it_stops_short_of_the_machines_memory(monkeypatch):
+    """A cache larger than what the machine has to spare is left to fault in by use, not committed whole."""
+    import psutil
+
+    from tokenmill.worker import cpu_memory
+
+    monkeypatch.setattr(cpu_memory, "_PREFAULT_RESERVE", psutil.virtual_memory().total)  # nothing to spare
+    cache = fresh_kv_tensor(4, 4096)
+    before = resident_bytes()
+    assert KVPrefault([cache]).wait(30)
+    assert resident_bytes() - before < cache.nbytes / 2
+
+
 def test_a_freed_cache_is_not_kept_alive():
     """The thread holds the cache weakly: freed, its memory goes at once (not after the 2 GB are faulted in), and the thread ends."""
     cache = kv_tensor(8, 1 << 17)

@@ -40,6 +40,7 @@ import weakref
 from collections.abc import Iterator
 
 import numpy as np
+import psutil
 import torch
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,10 @@ def _madvise(libc: ctypes.CDLL, start: int, length: int, advice: int) -> bool:
 
 # Disables the KV cache prefault (KVPrefault): "0" leaves the cache's pages to be faulted in by use.
 KV_PREFAULT_ENV = "TOKENMILL_KV_PREFAULT"
+# The prefault stops where the machine's available memory would fall below this (bytes, or this
+# fraction of the total if more): a cache sized beyond the RAM (kv_cache_memory, num_kv_blocks) is
+# left to fault in by use, as it was, rather than committed whole.
+_PREFAULT_RESERVE, _PREFAULT_RESERVE_FRACTION = 1 << 30, 0.1
 # Bytes one madvise call faults in (one huge page): a step that starts meanwhile waits for at most
 # that call (a few ms at the slowest rate seen), and so does an munmap (the call holds the address
 # space's lock for reading).
@@ -161,7 +166,11 @@ class KVPrefault:
                 pass
             num_blocks = max(ref().shape[1] for ref in refs)
             step = max(1, _PREFAULT_CHUNK // max(ref()[0, 0].nbytes for ref in refs))
+            reserve = max(_PREFAULT_RESERVE, int(_PREFAULT_RESERVE_FRACTION * psutil.virtual_memory().total))
             for first in range(0, num_blocks, step):
+                if psutil.virtual_memory().available < reserve + _PREFAULT_CHUNK * sum(ref().shape[0] for ref in refs if ref() is not None):
+                    logger.debug("KV cache prefault stopped at block %d of %d: the machine's memory is running low", first, num_blocks)
+                    return
                 for ref in refs:
                     t = ref()
                     if t is None:  # the cache was freed (its engine is gone)
