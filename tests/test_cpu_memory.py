@@ -19,6 +19,20 @@ from tokenmill.worker.cpu_memory import KV_PREFAULT_ENV, KVPrefault, zeros_huge_
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_POPULATE_WRITE) is Linux's")
 
 
+def _populate_write_works() -> bool:
+    """Whether this kernel has MADV_POPULATE_WRITE (Linux 5.14); older ones refuse it and the prefault does nothing."""
+    from tokenmill.worker import cpu_memory
+
+    libc = cpu_memory._libc()
+    region = mmap.mmap(-1, 1 << 16)
+    address = torch.frombuffer(region, dtype=torch.uint8).data_ptr()
+    return libc is not None and cpu_memory._madvise(libc, address, 1 << 16, cpu_memory._MADV_POPULATE_WRITE)
+
+
+needs_populate = pytest.mark.skipif(sys.platform.startswith("linux") and not _populate_write_works(),
+                                    reason="this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+
+
 @pytest.fixture(autouse=True)
 def _prefault_on(monkeypatch):
     monkeypatch.setenv(KV_PREFAULT_ENV, "1")  # conftest.py turns it off for the rest of the suite
@@ -40,6 +54,7 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+@needs_populate
 def test_pages_fault_in_and_blocks_keep_their_contents():
     caches = [fresh_kv_tensor(3, 4096), fresh_kv_tensor(3, 4096, torch.float32)]  # 24 MB and 48 MB
     caches[0][1, 7] = 1.5  # blocks in use before the prefault starts
@@ -51,6 +66,7 @@ def test_pages_fault_in_and_blocks_keep_their_contents():
     assert caches[0].sum() == 1.5 * 16 * 64 and caches[1].sum() == -2.0 * 16 * 64  # nothing else written
 
 
+@needs_populate
 def test_it_waits_for_an_idle_engine_unless_waited_on():
     """While steps run (and IDLE_AFTER after) nothing is faulted in; idle, it goes on by itself; wait() makes it go on regardless."""
     cache = fresh_kv_tensor(4, 4096)  # 32 MB
