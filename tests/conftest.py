@@ -254,8 +254,8 @@ def tokenmill_logits(llm, token_ids: list[int], chunk: int) -> torch.Tensor:
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy decoding of one unpadded prompt: the reference token ids."""
-    ids = torch.tensor([prompt])
+    """transformers' own greedy decoding of one unpadded prompt, on the model's device: the reference token ids."""
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
     generated = out[0, len(prompt) :].tolist()

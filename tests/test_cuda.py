@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_MODELS, random_prompts, tokenmill_logits
+from conftest import TINY_MODELS, hf_greedy, random_prompts, tokenmill_logits
 from tokenmill import LLM, SamplingParams
 
 pytestmark = [
@@ -48,13 +48,6 @@ def hf_cuda(tiny_model_factory):
     return get
 
 
-def hf_greedy_cuda(model, prompt: list[int], max_new_tokens: int = MAX_NEW) -> list[int]:
-    ids = torch.tensor([prompt], device="cuda")
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("name", list(TINY_MODELS))
 def test_greedy_matches_hf_on_cuda(name, tiny_model_factory, hf_cuda):
     """Every architecture, the prompts batched together: each request's greedy tokens equal HF's on the GPU."""
@@ -62,7 +55,7 @@ def test_greedy_matches_hf_on_cuda(name, tiny_model_factory, hf_cuda):
     assert llm.llm_engine.executor.driver_runner.device.type == "cuda"
     prompts = random_prompts(PROMPT_LENGTHS, seed=11)
     for prompt, got in zip(prompts, generate(llm, prompts)):
-        assert got == hf_greedy_cuda(hf_cuda(name), prompt), f"{name}: prompt of {len(prompt)} tokens"
+        assert got == hf_greedy(hf_cuda(name), prompt, MAX_NEW), f"{name}: prompt of {len(prompt)} tokens"
 
 
 def test_batch_and_prefix_hits_change_nothing_on_cuda(tiny_model_factory, hf_cuda):
@@ -72,7 +65,7 @@ def test_batch_and_prefix_hits_change_nothing_on_cuda(tiny_model_factory, hf_cud
     llm = cuda_llm(tiny_model_factory("llama_gqa"), max_num_batched_tokens=32)
     first = generate(llm, prompts)
     again = generate(llm, prompts)
-    want = [hf_greedy_cuda(hf_cuda("llama_gqa"), p) for p in prompts]
+    want = [hf_greedy(hf_cuda("llama_gqa"), p, MAX_NEW) for p in prompts]
     assert first == want
     assert again == want
 

@@ -56,9 +56,12 @@ _HUGE_PAGE = 2 << 20
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name, use_errno=True) if name else None
+        libc = ctypes.CDLL(name, use_errno=True) if name else None
     except OSError:
         return None
+    if libc is not None and hasattr(libc, "madvise"):
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]  # once: addresses past 2^31
+    return libc
 
 
 def tune_malloc() -> None:
@@ -68,6 +71,10 @@ def tune_malloc() -> None:
     ok = (libc.mallopt(_M_MMAP_THRESHOLD, 256 << 20) or libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 40)
     if not ok:
         logger.debug("mallopt refused the CPU allocator settings")
+
+
+def _madvise(libc: ctypes.CDLL, start: int, length: int, advice: int) -> bool:
+    return libc.madvise(start, length, advice) == 0
 
 
 def advise_huge_pages(array: np.ndarray) -> None:
@@ -81,8 +88,7 @@ def advise_huge_pages(array: np.ndarray) -> None:
     if end - aligned < _HUGE_PAGE:
         return
     length = (end - aligned) // _HUGE_PAGE * _HUGE_PAGE
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(aligned, length, _MADV_HUGEPAGE) != 0:
+    if not _madvise(libc, aligned, length, _MADV_HUGEPAGE):
         logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
 
 
@@ -98,9 +104,6 @@ def zeros_huge_page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> np.nd
     return buf.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize]).reshape(shape)
 
 
-def _madvise(libc: ctypes.CDLL, start: int, length: int, advice: int) -> bool:
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(start, length, advice) == 0
 
 
 # Disables the KV cache prefault (KVPrefault): "0" leaves the cache's pages to be faulted in by use.
@@ -164,22 +167,26 @@ class KVPrefault:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
             except (AttributeError, OSError):
                 pass
-            num_blocks = max(ref().shape[1] for ref in refs)
-            step = max(1, _PREFAULT_CHUNK // max(ref()[0, 0].nbytes for ref in refs))
+            # (heads, blocks, bytes a block of one head) of each tensor, read once while they are alive.
+            shapes = [(t.shape[0], t.shape[1], t[0, 0].nbytes) for t in (ref() for ref in refs) if t is not None]
+            if len(shapes) < len(refs):
+                return
+            num_blocks = max(blocks for _, blocks, _ in shapes)
+            step = max(1, _PREFAULT_CHUNK // max(block for _, _, block in shapes))
             reserve = max(_PREFAULT_RESERVE, int(_PREFAULT_RESERVE_FRACTION * psutil.virtual_memory().total))
+            per_range = _PREFAULT_CHUNK * sum(heads for heads, _, _ in shapes)  # what one range of blocks commits, at most
             for first in range(0, num_blocks, step):
-                if psutil.virtual_memory().available < reserve + _PREFAULT_CHUNK * sum(ref().shape[0] for ref in refs if ref() is not None):
+                if psutil.virtual_memory().available < reserve + per_range:
                     logger.debug("KV cache prefault stopped at block %d of %d: the machine's memory is running low", first, num_blocks)
                     return
-                for ref in refs:
+                for ref, (heads, blocks, block) in zip(refs, shapes):
                     t = ref()
                     if t is None:  # the cache was freed (its engine is gone)
                         return
-                    block = t[0, 0].nbytes
-                    length = (min(first + step, t.shape[1]) - first) * block
-                    for head in range(t.shape[0]):
+                    length = (min(first + step, blocks) - first) * block
+                    for head in range(heads):
                         self._wait_until_idle()
-                        start = t.data_ptr() + (head * t.shape[1] + first) * block
+                        start = t.data_ptr() + (head * blocks + first) * block
                         aligned = start // _PAGE * _PAGE
                         if not _madvise(libc, aligned, start + length - aligned, _MADV_POPULATE_WRITE):
                             logger.debug("MADV_POPULATE_WRITE failed (errno %d): the KV cache faults in as it is used", ctypes.get_errno())

@@ -74,9 +74,10 @@ constexpr bool paired() {
 }
 
 // How far ahead of its reads a quantized kernel asks for its weights, in bytes (one prefetch per
-// step of its loop: 64 bytes of int4, 32 of int8). Those kernels spend several instructions per 64 bytes of weights (unpacking,
-// widening, scales) where the bf16 one spends one vdpbf16ps, so the out-of-order window reaches
-// few bytes ahead and the hardware prefetchers alone leave memory idle part of the time. A 1B
+// step of its loop: 64 bytes of int4, 32 of int8). Those kernels spend several instructions per 64
+// bytes of weights (unpacking, widening, scales) where the bf16 one spends one vdpbf16ps, so the
+// out-of-order window reaches few bytes ahead and the hardware prefetchers alone leave memory idle
+// part of the time. A 1B
 // Llama's layers, one row, Zen 5: int4 with int8 activations 47 -> 53 GB/s (AVX2 build: 46 -> 62),
 // int4 with bf16 x 43 -> 55, Q8_0 48 -> 60, per-channel int8 49 -> 56; 8 to 32 KB ahead all gave
 // the same, 4 KB less. The float kernels lost by it (bf16: 73 -> 68 GB/s) and do without.
