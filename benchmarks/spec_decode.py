@@ -32,6 +32,9 @@ CONFIGS = {
     "self int4 k3": {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 3},
     "self int8 k3": {"method": "draft_model", "model": "self", "quantization": "int8", "num_speculative_tokens": 3},
     "self int8 k4": {"method": "draft_model", "model": "self", "quantization": "int8", "num_speculative_tokens": 4},
+    "self int8 k6": {"method": "draft_model", "model": "self", "quantization": "int8", "num_speculative_tokens": 6},
+    "self int4 k4": {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 4},
+    "self int4 k6": {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 6},
     "self w8a8 k3": {"method": "draft_model", "model": "self", "quantization": "w8a8", "num_speculative_tokens": 3},
     # Medusa heads from --medusa (e.g. `tokenmill train-medusa --output heads/`).
     "medusa k1": {"method": "medusa", "num_speculative_tokens": 1},

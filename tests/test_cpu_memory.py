@@ -113,6 +113,22 @@ def test_a_freed_cache_is_not_kept_alive():
     assert prefault.wait(30)
 
 
+def test_stop_ends_the_thread_within_a_call():
+    """stop() (which the interpreter's exit calls) ends the thread after its current call, far from done: a daemon
+    thread still faulting in while Python finalizes aborted processes (SIGABRT, seen at a benchmark's exit)."""
+    cache = fresh_kv_tensor(8, 1 << 16)  # 1 GB, never touched
+    prefault = KVPrefault([cache])
+    prefault.wait(0)  # go on regardless of the engine
+    time.sleep(0.05)
+    before = resident_bytes()
+    start = time.monotonic()
+    prefault.stop()
+    assert time.monotonic() - start < 5
+    assert prefault.done() and not prefault._thread.is_alive()
+    time.sleep(0.05)
+    assert resident_bytes() - before < 16 << 20  # nothing more faulted in after it returned
+
+
 def test_turned_off_or_nothing_to_do(monkeypatch):
     monkeypatch.setenv(KV_PREFAULT_ENV, "0")
     assert KVPrefault([kv_tensor(1, 64)]).wait(0)

@@ -25,6 +25,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.quantization import W8A8Config, check_quantization, get_quantization_config, quant_utils as Q
+from tokenmill.layers.quantization.base import LinearMethodBase
 from tokenmill.layers.quantization.w8a8 import ACTIVATION_GROUP_SIZE, activation_groups, quantize_per_token_group, w8a8_linear_reference
 
 needs_kernels = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="tokenmill's CPU kernels are not built here")
@@ -173,7 +174,7 @@ def _ctx():
 # ---- the engine ---------------------------------------------------------------------------------
 
 
-class FakeQuantActivations:
+class FakeQuantActivations(LinearMethodBase):
     """The reference's linear method: y = fake_quant(x) @ W^T + b in float64, W the (already
     dequantized) float weight of the layer."""
 

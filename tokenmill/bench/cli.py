@@ -266,13 +266,15 @@ def _load_engine(args: argparse.Namespace):
 
 
 def _wait_for_kv_cache(engine) -> None:
-    """Let the KV cache's pages fault in first (worker/cpu_memory.py's KVPrefault, rank 0's), so the timed
-    runs see the engine as it runs once warm, as vLLM's and llama.cpp's are: they fill their caches at start."""
-    runner = getattr(getattr(engine, "executor", None), "driver_runner", None)
-    prefault = getattr(runner, "kv_prefault", None)
-    if prefault is not None and not prefault.wait(0):
+    """Let the KV caches' pages fault in first (worker/cpu_memory.py's KVPrefault, rank 0's: the target's and a
+    draft model's), so the timed runs see the engine as it runs once warm, as vLLM's and llama.cpp's are: they
+    fill their caches at start."""
+    worker = getattr(getattr(engine, "executor", None), "worker", None)
+    pending = [p for p in (worker.kv_prefaults() if worker is not None else []) if not p.wait(0)]
+    if pending:
         print("faulting in the KV cache's pages before timing...", file=sys.stderr)
-        prefault.wait()
+        for prefault in pending:
+            prefault.wait()
 
 
 def _engine_info(engine) -> dict:

@@ -316,3 +316,20 @@ class Attention(nn.Module):
         self.backend.write_kv(self.k_cache, self.v_cache, k, v, batch, self.kv_scales)
         out = self.backend.forward(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, self.workspace, self.kv_scales)
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+    def plain_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs, group: AttentionGroup) -> torch.Tensor:
+        """forward on the CPU kernels for a batch of plain decodes (BatchInputs.plain_decode_group):
+        q [T, H, D], k/v [T, Hkv, D] -> [T, H*D], the same calls as forward without its dispatch."""
+        k_cache, v_cache, kv_scales = self.k_cache, self.v_cache, self.kv_scales
+        if kv_scales is None and k.dtype == k_cache.dtype:
+            torch.ops.tokenmill_cpu.write_kv.default(k_cache, v_cache, k, v, batch.slot_mapping)
+        else:
+            CpuPagedAttention.write_kv(k_cache, v_cache, k, v, batch, kv_scales)
+        token_rows, positions = group.decode_rows_and_positions()
+        k_scale, v_scale = scale_tensors(kv_scales)
+        out = q.new_empty(q.shape)
+        torch.ops.tokenmill_cpu.paged_decode_attention.default(
+            out, q.contiguous(), k_cache, v_cache, token_rows, group.block_table, positions, self.sliding_window or 0, self.scale,
+            k_scale, v_scale, 0, None, None, None, None,
+        )
+        return out.view(q.shape[0], -1)

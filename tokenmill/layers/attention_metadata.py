@@ -122,6 +122,16 @@ class BatchInputs:
         return BatchInputs(move(self.input_ids), move(self.positions), move(self.slot_mapping), move(self.query_start_loc),
                            move(self.seq_lens), move(self.block_tables), move(self.logits_indices), groups, self.block_size, self.num_tokens)
 
+    def plain_decode_group(self) -> AttentionGroup | None:
+        """The batch's one group when it is nothing but plain decodes (a token per request, attended without
+        a shared-prefix cascade or a token tree), in the step's row order; None for any other batch."""
+        if len(self.attn_groups) != 1:
+            return None
+        group = self.attn_groups[0]
+        if group.token_index.shape[1] != 1 or group.shared_prefix is not None or group.tree_start is not None:
+            return None
+        return group
+
     def slot_rows(self, num_kv_heads: int, num_slots: int) -> torch.Tensor:
         """Rows of a head-major cache viewed as [num_kv_heads * num_slots, head_dim] where the new
         tokens' K/V go: head h's slots first, then head h + 1's (computed once per step)."""

@@ -19,6 +19,7 @@ a clear error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -168,6 +169,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
 
+    def decode_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """forward for 2-D contiguous rows with the weights bound once (a model's decode program)."""
+        return self.method.bound_apply(self, self.bias)
+
 
 class ColumnParallelLinear(Linear):
     """Output channels split over the ranks: each shard (q/k/v, gate/up, or the whole) by the rank's slice."""
@@ -210,6 +215,9 @@ class RowParallelLinear(Linear):
             return self.method.apply(self, x, self.bias)
         y = self.method.apply(self, x, self.bias if self.tp.is_driver else None)
         return self.tp.all_reduce(y.contiguous())
+
+    def decode_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return super().decode_call() if self.tp.size == 1 else self.forward  # the ranks' sum: forward's all-reduce
 
 
 class MergedLinear(ColumnParallelLinear):

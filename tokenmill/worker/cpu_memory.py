@@ -28,6 +28,7 @@ All are best effort: elsewhere they do nothing.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import ctypes.util
@@ -127,13 +128,17 @@ class KVPrefault:
     does a short script fault in a cache it never uses). wait() lets it run regardless and blocks
     until it is done (the benchmarks call it, to time the engine as it runs once warm, as the peers'
     engines are: they fill their caches at start). It holds the tensors weakly and stops once they
-    are freed."""
+    are freed, and at the interpreter's exit (stop()): a daemon thread still in a call when Python
+    finalizes is torn down mid-call, which aborted processes ("terminate called without an active
+    exception", SIGABRT: a script or benchmark ending while a draft model's cache was still faulting in)."""
 
     IDLE_AFTER = 0.05  # seconds without a step before the engine counts as idle
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._done = threading.Event()
         self._unhurried = threading.Event()  # set by wait(): fault in whether or not the engine is idle
+        self._stopping = threading.Event()  # set by stop()
+        self._thread: threading.Thread | None = None
         self._steps = 0  # steps running (0 or 1)
         self._last_step = time.monotonic()
         libc = _libc()
@@ -142,7 +147,16 @@ class KVPrefault:
             self._done.set()
             return
         refs = [weakref.ref(t) for t in tensors]
-        threading.Thread(target=self._run, args=(libc, refs), name="tokenmill-kv-prefault", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, args=(libc, refs), name="tokenmill-kv-prefault", daemon=True)
+        self._thread.start()
+        atexit.register(_stop_at_exit, weakref.ref(self))
+
+    def stop(self) -> None:
+        """Stop faulting in, and wait for the thread to finish its call (one huge page at most)."""
+        self._stopping.set()
+        self._unhurried.set()  # out of _wait_until_idle
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
@@ -186,6 +200,8 @@ class KVPrefault:
                     length = (min(first + step, blocks) - first) * block
                     for head in range(heads):
                         self._wait_until_idle()
+                        if self._stopping.is_set():
+                            return
                         start = t.data_ptr() + (head * blocks + first) * block
                         aligned = start // _PAGE * _PAGE
                         if not _madvise(libc, aligned, start + length - aligned, _MADV_POPULATE_WRITE):
@@ -203,3 +219,9 @@ class KVPrefault:
 
     def done(self) -> bool:
         return self._done.is_set()
+
+
+def _stop_at_exit(prefault: weakref.ref) -> None:
+    live = prefault()
+    if live is not None:
+        live.stop()

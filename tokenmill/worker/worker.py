@@ -115,6 +115,10 @@ class Worker:
             runners["draft"] = self.drafter.runner
         return runners
 
+    def kv_prefaults(self) -> list:
+        """Each KV cache's prefault on this rank (worker/cpu_memory.py's KVPrefault): the target's, and a draft's."""
+        return [runner.kv_prefault for runner in self._runners().values()]
+
     # -- the executor's calls -------------------------------------------------------------------
     def num_kv_blocks(self) -> int:
         """The KV blocks this rank can hold (both caches, with a draft model) within its budget."""

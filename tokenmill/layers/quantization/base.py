@@ -24,6 +24,12 @@ class LinearMethodBase:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """apply(layer, x, bias) as a function of x alone, for a model's decode program (models/llama.py):
+        2-D contiguous rows, any number of them. Methods whose kernels take their weights as arguments
+        bind them here, so a call skips the lookups and checks of the general path."""
+        return lambda x: self.apply(layer, x, bias)
+
 
 class EmbeddingMethodBase:
     """How a token embedding or an LM head holds its [vocab, hidden] weight."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -137,6 +137,11 @@ class PackedInt4Method(Int4LinearMethod):
         if getattr(layer, "input_perm", None) is not None:  # act-order: the weight's columns are in group order, so are x's
             x = x.index_select(-1, layer.input_perm)
         return super().apply(layer, x, bias)
+
+    def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        if getattr(layer, "input_perm", None) is not None:  # apply's permutation of x first
+            return lambda x: self.apply(layer, x, bias)
+        return super().bound_apply(layer, bias)
 
 
 class PackedInt8Method(LinearMethodBase):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,20 @@ class PackedCPUWeight:
                 and cpu_kernels.cpu_kernels_available()):
             self.decode_packed = cpu_kernels.dense_pack(weight)
             self._dense = torch.ops.tokenmill_cpu.dense_linear.default
+
+    def bound(self, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """self(x, bias) for 2-D contiguous rows, as a function of x alone (LinearMethodBase.bound_apply)."""
+        if self.decode_packed is None:
+            return lambda x: self(x, bias)
+        out_features, dense, max_rows = self.out_features, self._dense, DECODE_MAX_ROWS
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            packed = self.decode_packed  # read per call: benchmarks/decode_linear.py takes it away and back
+            if packed is not None and x.shape[0] <= max_rows and x.dtype == packed.dtype:
+                return dense(x, packed, out_features, bias)
+            return self(x, bias)
+
+        return call
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() == 2 and x.is_contiguous() and bucketed_rows(x.shape[0]) == x.shape[0]:
@@ -111,6 +126,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if self.prepack:
             return layer.packed_weight(x, bias)
         return F.linear(x, layer.weight, bias)
+
+    def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.prepack:
+            return layer.packed_weight.bound(bias)
+        return super().bound_apply(layer, bias)
 
 
 class UnquantizedEmbeddingMethod(EmbeddingMethodBase):

@@ -125,6 +125,25 @@ class KernelLinear:
             return self.op(x, *self.weights, bias)
         return self.general(x, bias)
 
+    def bound(self, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """self(x, bias) for 2-D contiguous rows, as a function of x alone (LinearMethodBase.bound_apply)."""
+        op, weights, general, any_rows = self.op, self.weights, self.general, self.any_rows_dtypes
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] <= KERNEL_MAX_ROWS or x.dtype in any_rows:
+                return op(x, *weights, bias)
+            return general(x, bias)
+
+        return call
+
+
+def bound_linear_call(layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """bound_apply of a layer whose apply is its linear_call (x, bias)."""
+    call = layer.linear_call
+    if isinstance(call, KernelLinear):
+        return call.bound(bias)
+    return lambda x: call(x, bias)
+
 
 def int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T + bias for a layer stored by store_int8."""
@@ -205,6 +224,9 @@ class Int8LinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return int8_linear(layer, x, bias)
 
+    def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        return bound_linear_call(layer, bias)
+
 
 class Int4LinearMethod(LinearMethodBase):
     """Group-wise int4. A layer whose input size is no multiple of 32 (the packed block) is int8."""
@@ -230,6 +252,9 @@ class Int4LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return layer.linear_call(x, bias)  # store_int4's, or store_int8's for an int8 layer
+
+    def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        return bound_linear_call(layer, bias)
 
 
 class Int8LMHeadMethod(UnquantizedEmbeddingMethod):

@@ -1,0 +1,57 @@
+"""The Llama family's decode program (models/llama.py: batches of plain decodes on the CPU kernels, with
+every layer's lookups done once) computes exactly what the layers' forward computes: the same tokens and
+the same logprobs, bit for bit, for each variant the program binds (GQA and MQA, biases, sliding windows,
+q/k norms, bf16, quantized linears, a quantized KV cache, speculative rows), and those batches take it."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import random_prompts
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="tokenmill's CPU kernels are not built here")
+
+CASES = {
+    "llama_gqa": ("llama_gqa", {}),
+    "llama_mqa_tied bf16": ("llama_mqa_tied", {"dtype": "bfloat16"}),
+    "llama_bias": ("llama_bias", {}),
+    "mistral_swa": ("mistral_swa", {}),
+    "qwen2_mixed_swa": ("qwen2_mixed_swa", {}),
+    "qwen3": ("qwen3", {}),
+    "int8": ("llama_gqa", {"quantization": "int8"}),
+    "int4 g32": ("llama_gqa", {"quantization": "int4", "quantization_options": {"group_size": 32}}),
+    "w8a8": ("llama_gqa", {"quantization": "w8a8"}),
+    "kv int8": ("llama_gqa", {"kv_cache_dtype": "int8"}),
+    "kv fp8": ("llama_gqa", {"kv_cache_dtype": "fp8"}),
+    "ngram drafts": ("llama_gqa", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}),
+}
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decode_program_computes_what_forward_does(case, tiny_model_factory):
+    name, options = CASES[case]
+    llm = LLM(model=tiny_model_factory(name), **{"dtype": "float32", "block_size": 4, "num_kv_blocks": 256, "enable_prefix_caching": False, **options})
+    model = llm.llm_engine.executor.driver_runner.model.model
+    # Repeating prompts, so n-gram lookup finds drafts; three requests, so decode batches have several rows. No
+    # prefix caching: the second run computes its prompts as the first did.
+    prompts = [p * 3 for p in random_prompts([1, 5, 7], seed=3)]
+    with_program = _run(llm, prompts)
+    assert model.decode_program is not None, "plain decode batches did not take the decode program"
+    model.use_decode_program = False
+    assert _run(llm, prompts) == with_program
+
+
+def test_decode_program_off_by_environment(tiny_model_factory, monkeypatch):
+    """TOKENMILL_DECODE_PROGRAM=0: every batch through the layers' forward (the program's baseline)."""
+    monkeypatch.setenv("TOKENMILL_DECODE_PROGRAM", "0")
+    llm = LLM(model=tiny_model_factory("llama_gqa"), dtype="float32", num_kv_blocks=64)
+    _run(llm, random_prompts([5], seed=4))
+    assert llm.llm_engine.executor.driver_runner.model.model.decode_program is None
