@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import random_prompts
+from test_gguf_quantization import mixed_type
+from test_loader import write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu
 
@@ -35,10 +37,7 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_decode_program_computes_what_forward_does(case, tiny_model_factory):
-    name, options = CASES[case]
-    llm = LLM(model=tiny_model_factory(name), **{"dtype": "float32", "block_size": 4, "num_kv_blocks": 256, "enable_prefix_caching": False, **options})
+def _assert_program_computes_what_forward_does(llm: LLM) -> None:
     model = llm.llm_engine.executor.driver_runner.model.model
     # Repeating prompts, so n-gram lookup finds drafts; three requests, so decode batches have several rows. No
     # prefix caching: the second run computes its prompts as the first did.
@@ -47,6 +46,21 @@ def test_decode_program_computes_what_forward_does(case, tiny_model_factory):
     assert model.decode_program is not None, "plain decode batches did not take the decode program"
     model.use_decode_program = False
     assert _run(llm, prompts) == with_program
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decode_program_computes_what_forward_does(case, tiny_model_factory):
+    name, options = CASES[case]
+    _assert_program_computes_what_forward_does(
+        LLM(model=tiny_model_factory(name), **{"dtype": "float32", "block_size": 4, "num_kv_blocks": 256, "enable_prefix_caching": False, **options}))
+
+
+def test_decode_program_on_packed_gguf(tiny_model_factory, tmp_path, monkeypatch):
+    """A GGUF kept packed (Q4_0 / Q4_1 / Q8_0 tiles; a fused QKV of two types keeps two parts, on the general path)."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tiny_model_factory("llama_gqa"), tmp_path / "mixed.gguf", quant=mixed_type)
+    _assert_program_computes_what_forward_does(LLM(str(path), quantization="gguf", dtype="float32", skip_tokenizer_init=True,
+                                                   block_size=4, num_kv_blocks=256, enable_prefix_caching=False))
 
 
 def test_decode_program_off_by_environment(tiny_model_factory, monkeypatch):

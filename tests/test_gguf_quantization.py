@@ -121,7 +121,7 @@ def test_k_quant_file_computes_its_dequantized_copy(tiny_model_factory, tmp_path
 
 @needs_kernels
 def test_q6_k_on_int8_tiles_keeps_the_files_values():
-    """Q6_K's 6-bit values as int8 and d x sub-scale per 16 as float32: exactly gguf's dequantize."""
+    """Q6_K's 6-bit values as int8, with the file's int8 scale per 16 and fp16 d per 256: exactly gguf's dequantize."""
     from gguf.quants import dequantize
 
     from tokenmill.layers.quantization.gguf_packed import GGUFTensor, TiledSegment, q6_k_values
@@ -129,12 +129,17 @@ def test_q6_k_on_int8_tiles_keeps_the_files_values():
     rows, cols = 40, 512  # 40: a part tile
     packed = random_packed(QT.Q6_K, rows, cols, seed=3)
     want = torch.from_numpy(dequantize(packed, QT.Q6_K).reshape(rows, cols))
-    q, scale = q6_k_values(torch.from_numpy(packed).view(rows, cols // 256, 210))
+    q, scale, d = q6_k_values(torch.from_numpy(packed).view(rows, cols // 256, 210))
     assert q.dtype == torch.int8 and int(q.min()) >= -32 and int(q.max()) <= 31
-    assert torch.equal((q.float().view(rows, -1, 16) * scale.view(rows, -1, 1)).view(rows, cols), want)
+    assert scale.dtype == torch.int8 and d.dtype == torch.float16
+    group_scale = scale.float() * d.float().repeat_interleave(16, dim=1)
+    assert torch.equal((q.float().view(rows, -1, 16) * group_scale.view(rows, -1, 1)).view(rows, cols), want)
     segment = TiledSegment.of(GGUFTensor(torch.from_numpy(packed), int(QT.Q6_K), cols), int8_activations=True)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(segment.linear_call(x, None), x @ want.T, atol=1e-4, rtol=1e-4)
+    tiles, scale_tiles, super_tiles, group = segment.tensors
+    assert scale_tiles.dtype == torch.int8 and super_tiles.dtype == torch.float16 and group == 16
+    assert torch.equal(cpu.int8_group_dequantize(*segment.tensors, rows, torch.float32), want)  # long prompts' path
 
 
 def test_gguf_on_a_checkpoint_that_is_not_gguf_is_a_clear_error(tiny_model_factory):

@@ -118,9 +118,31 @@ def test_int8_group_linear_matches_reference(shape, scale_dtype, rows, dtype):
     scale = (torch.rand(n, k // 32, generator=gen) * 0.01).to(scale_dtype)
     x, bias = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
     weight = q.float() * scale.float().repeat_interleave(32, dim=1)
-    tiles, scale_tiles = wo.int8_group_tiles(q, scale)
-    _close(cpu.int8_group_linear(x, tiles, scale_tiles, 32, n, bias), Q._float32_linear(x, weight, bias))
-    assert torch.equal(cpu.int8_group_dequantize(tiles, scale_tiles, 32, n, dtype), weight.to(dtype))
+    tiles, scale_tiles, no_super = wo.int8_group_tiles(q, scale)
+    _close(cpu.int8_group_linear(x, tiles, scale_tiles, no_super, 32, n, bias), Q._float32_linear(x, weight, bias))
+    assert torch.equal(cpu.int8_group_dequantize(tiles, scale_tiles, no_super, 32, n, dtype), weight.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", [(40, 256), (96, 512)], ids=str)
+def test_int8_group_linear_with_two_levels_of_scales(shape, rows, dtype):
+    """GGUF Q6_K's scales: an int8 scale per row and 16 inputs times an fp16 one per 256, multiplied in float32 (exactly)."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k + rows)
+    q = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.randint(-128, 128, (n, k // 16), generator=gen, dtype=torch.int8)
+    super_scale = (torch.rand(n, k // 256, generator=gen) * 1e-3).half()
+    x, bias = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+    group_scale = scale.float() * super_scale.float().repeat_interleave(16, dim=1)
+    weight = q.float() * group_scale.repeat_interleave(16, dim=1)
+    tiles, scale_tiles, super_tiles = wo.int8_group_tiles(q, scale, super_scale)
+    _close(cpu.int8_group_linear(x, tiles, scale_tiles, super_tiles, 16, n, bias), Q._float32_linear(x, weight, bias))
+    assert torch.equal(cpu.int8_group_dequantize(tiles, scale_tiles, super_tiles, 16, n, dtype), weight.to(dtype))
+    with pytest.raises(RuntimeError, match="super_scale goes with int8 scales"):
+        cpu.int8_group_linear(x, tiles, scale_tiles, None, 16, n, bias)
+    with pytest.raises(RuntimeError, match="super_scale must be fp16"):
+        cpu.int8_group_linear(x, tiles, scale_tiles, super_tiles.float(), 16, n, bias)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -449,15 +449,17 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_
     return torch.ops.tokenmill_cpu.int8_linear(x, packed, scale, out_features, bias)
 
 
-def int8_group_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, group_size: int, out_features: int,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ W^T + bias, W int8 (int8_pack's tiles) times a scale per row and group of inputs ([tiles, groups, 32], see decode_linear.cpp)."""
-    return torch.ops.tokenmill_cpu.int8_group_linear(x, tiles, scale, group_size, out_features, bias)
+def int8_group_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, super_scale: torch.Tensor | None, group_size: int,
+                      out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T + bias, W int8 (int8_pack's tiles) times a scale per row and group of inputs ([tiles, groups, 32]
+    float32 or fp16; or int8 times super_scale, fp16 [tiles, supers, 32] per run of groups: GGUF's Q6_K; see decode_linear.cpp)."""
+    return torch.ops.tokenmill_cpu.int8_group_linear(x, tiles, scale, super_scale, group_size, out_features, bias)
 
 
-def int8_group_dequantize(tiles: torch.Tensor, scale: torch.Tensor, group_size: int, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+def int8_group_dequantize(tiles: torch.Tensor, scale: torch.Tensor, super_scale: torch.Tensor | None, group_size: int, out_features: int,
+                          dtype: torch.dtype) -> torch.Tensor:
     """The float [N, K] weight of int8_group_linear's, in dtype (a transposed view of [K, N])."""
-    return torch.ops.tokenmill_cpu.int8_group_dequantize(tiles, scale, group_size, out_features, torch.empty(0, dtype=dtype)).t()
+    return torch.ops.tokenmill_cpu.int8_group_dequantize(tiles, scale, super_scale, group_size, out_features, torch.empty(0, dtype=dtype)).t()
 
 
 def int4_pack(packed: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

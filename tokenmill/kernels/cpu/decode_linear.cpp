@@ -1,7 +1,7 @@
 // Linear layers for the few rows of a decode step (CPU): y = x W^T + b with W a float32, bf16 or
 // fp16 weight in x's dtype (`dense_linear`), or weight-only quantized with activations kept in
 // float: int8 with a scale per output row (`int8_linear`: W[n, k] = q[n, k] * scale[n]) or per row
-// and group of input features (`int8_group_linear`: GGUF's Q8_0), or int4 with a scale and a min per
+// and group of input features (`int8_group_linear`: GGUF's Q8_0, and Q6_K with its two levels of scales), or int4 with a scale and a min per
 // row and group (`int4_linear`: W = q * scale + min; `int4_linear_a8`: the same weights against x
 // quantized to int8 per block of 32, as llama.cpp computes GGUF's Q4_0 / Q4_1), each packed once
 // (`dense_pack`, `int8_pack`, `int4_pack`); and the quantized ones dequantized to the model dtype for long prompt chunks
@@ -429,11 +429,30 @@ inline void int4_tile_dot_a8(const int8_t* xq, const float* dx, int64_t K, int64
 }
 
 // int8 weights with a scale per row and group of G input features (GGUF's Q8_0: G = 32), in
-// int8_pack's tiles, the scales [tiles, groups, kTileN] (float32 or fp16: S): W = q * scale. Sums
-// of q * x accumulate per group, then take the group's scale (as int4_tile_dot; the same register
-// budget, so kMaxRowsInt4 rows a pass).
+// int8_pack's tiles, the scales [tiles, groups, kTileN] (float32 or fp16: S): W = q * scale. Or two
+// levels, as GGUF's Q6_K holds them (S = int8_t): an int8 scale per group of 16 times an fp16 scale
+// per `per_super` groups (super [tiles, groups / per_super, kTileN]), multiplied in float32, where
+// the product of an fp16 and an int8 is exact: 1.07 bytes a weight where a float32 scale per 16
+// takes 1.25. Sums of q * x accumulate per group, then take the group's scale (as int4_tile_dot;
+// the same register budget, so kMaxRowsInt4 rows a pass).
+#if TOKENMILL_SIMD
+template <typename S>
+inline Vec group_scale(const S* scale, const c10::Half* super, int64_t per_super, int64_t g, int v) {
+  if constexpr (std::is_same_v<S, int8_t>)
+    return tokenmill_cpu::load_int8(scale + g * kTileN + v * W) * Vec::load(super + g / per_super * kTileN + v * W);
+  else
+    return Vec::load(scale + g * kTileN + v * W);
+}
+#endif
+template <typename S>
+inline float group_scale_at(const S* scale, const c10::Half* super, int64_t per_super, int64_t g, int r) {
+  const float s = static_cast<float>(scale[g * kTileN + r]);
+  return super ? s * static_cast<float>(super[g / per_super * kTileN + r]) : s;
+}
+
 template <int MT, typename S>
-inline void int8_group_tile_dot(const float* x, int64_t K, int64_t G, const int8_t* tile, const S* scale, float* out) {
+inline void int8_group_tile_dot(const float* x, int64_t K, int64_t G, const int8_t* tile, const S* scale, const c10::Half* super,
+                                int64_t per_super, float* out) {
 #if TOKENMILL_SIMD
   by_groups<MT>(K, G, out, [&](int64_t k0, int64_t k1, Vec (&part)[MT][kVecs]) {
     for (int64_t k = k0; k < k1; ++k) {
@@ -447,7 +466,7 @@ inline void int8_group_tile_dot(const float* x, int64_t K, int64_t G, const int8
     }
   }, [&](int64_t g, const Vec (&part)[MT][kVecs], Vec (&acc)[MT][kVecs]) {
     for (int v = 0; v < kVecs; ++v) {
-      const Vec s = Vec::load(scale + g * kTileN + v * W);
+      const Vec s = group_scale(scale, super, per_super, g, v);
       for (int i = 0; i < MT; ++i) acc[i][v] = fmadd(part[i][v], s, acc[i][v]);
     }
   });
@@ -459,7 +478,7 @@ inline void int8_group_tile_dot(const float* x, int64_t K, int64_t G, const int8
       for (int i = 0; i < MT; ++i) {
         float part = 0.f;
         for (int64_t k = g * G; k < std::min(K, (g + 1) * G); ++k) part += static_cast<float>(tile[k * kTileN + r]) * x[i * K + k];
-        out[i * kTileN + r] += part * static_cast<float>(scale[g * kTileN + r]);
+        out[i * kTileN + r] += part * group_scale_at(scale, super, per_super, g, r);
       }
 #endif
 }
@@ -650,22 +669,43 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
-// int8 weights with group scales: int8_pack's tiles, the scales [tiles, groups, kTileN] (float32 or fp16).
-void check_int8_group(const at::Tensor& tiles, const at::Tensor& scale, int64_t G, int64_t N, const char* op) {
+// int8 weights with group scales: int8_pack's tiles, the scales [tiles, groups, kTileN] (float32 or fp16;
+// or int8 with super [tiles, supers, kTileN] fp16, supers dividing groups). Returns the groups per super scale
+// (0 without them).
+int64_t check_int8_group(const at::Tensor& tiles, const at::Tensor& scale, const std::optional<at::Tensor>& super, int64_t G, int64_t N,
+                         const char* op) {
   TORCH_CHECK(G > 0, op, ": group size must be positive");
   TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kChar && tiles.is_contiguous() && tiles.size(0) == (N + kTileN - 1) / kTileN &&
                   tiles.size(2) == kTileN, op, ": the weight must be int8_pack's layout of ", N, " output rows");
   const int64_t groups = (tiles.size(1) + G - 1) / G;
-  TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) && scale.is_contiguous() &&
+  const bool two_levels = scale.scalar_type() == at::kChar;
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf || two_levels) && scale.is_contiguous() &&
                   scale.sizes() == at::IntArrayRef({tiles.size(0), groups, kTileN}),
-              op, ": scale must be [tiles, ", groups, " groups, ", kTileN, "] float32 or fp16");
+              op, ": scale must be [tiles, ", groups, " groups, ", kTileN, "] float32, fp16 or int8 (with super_scale)");
+  TORCH_CHECK(two_levels == super.has_value(), op, ": super_scale goes with int8 scales, and only with them");
+  if (!two_levels) return 0;
+  const int64_t supers = super->dim() == 3 ? super->size(1) : 0;
+  TORCH_CHECK(super->scalar_type() == at::kHalf && super->is_contiguous() && supers > 0 && groups % supers == 0 &&
+                  super->sizes() == at::IntArrayRef({tiles.size(0), supers, kTileN}),
+              op, ": super_scale must be fp16 [tiles, supers, ", kTileN, "] with supers dividing the ", groups, " groups");
+  return groups / supers;
 }
 
-at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, int64_t group_size, int64_t out_features,
-                             const std::optional<at::Tensor>& bias) {
+// f(S*) for int8_group's scales: float, c10::Half, or int8_t (two levels).
+template <typename F>
+void with_group_scale_type(const at::Tensor& scale, F&& f) {
+  if (scale.scalar_type() == at::kChar)
+    f(static_cast<int8_t*>(nullptr));
+  else
+    with_scale_type(scale, f);
+}
+
+at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, const std::optional<at::Tensor>& super,
+                             int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2, "int8_group_linear: x must be [rows, in_features]");
-  check_int8_group(tiles, scale, group_size, out_features, "int8_group_linear");
-  const int64_t K = x.size(1), G = group_size, groups = (K + G - 1) / G;
+  const int64_t per_super = check_int8_group(tiles, scale, super, group_size, out_features, "int8_group_linear");
+  const int64_t K = x.size(1), G = group_size, groups = (K + G - 1) / G, supers = per_super ? groups / per_super : 0;
+  const c10::Half* hp = super ? super->data_ptr<c10::Half>() : nullptr;
   TORCH_CHECK(tiles.size(1) == K, "int8_group_linear: x has ", K, " features, the weight ", tiles.size(1));
   const std::vector<float> b = bias_as_float(bias, out_features, "int8_group_linear");
   const int8_t* wp = tiles.data_ptr<int8_t>();
@@ -673,12 +713,13 @@ at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& tiles, const
   dispatch_float_types(x.scalar_type(), "int8_group_linear", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const std::vector<float> xf = rows_as_float<T>(x);
-    with_scale_type(scale, [&](auto* scale_tag) {
+    with_group_scale_type(scale, [&](auto* scale_tag) {
       using S = std::remove_pointer_t<decltype(scale_tag)>;
       const S* sp = scale.data_ptr<S>();
       y = run_tiles<T>(x, out_features, K * kTileN, kMaxRowsInt4, nullptr, b, [&](int64_t t, int64_t m, int rows, float* out) {
         with_rows(rows, [&](auto mt) {
-          int8_group_tile_dot<decltype(mt)::value>(xf.data() + m * K, K, G, wp + t * K * kTileN, sp + t * groups * kTileN, out);
+          int8_group_tile_dot<decltype(mt)::value>(xf.data() + m * K, K, G, wp + t * K * kTileN, sp + t * groups * kTileN,
+                                                   hp ? hp + t * supers * kTileN : nullptr, per_super, out);
         });
       });
     });
@@ -791,22 +832,25 @@ at::Tensor dequantize_transposed(int64_t N, int64_t K, int64_t tiles, const at::
 }
 
 // int8 with group scales dequantized, transposed: W^T[k, n] = q[n, k] * scale of row n's group of k.
-at::Tensor int8_group_dequantize(const at::Tensor& tiles, const at::Tensor& scale, int64_t group_size, int64_t out_features,
-                                 const at::Tensor& like) {
-  check_int8_group(tiles, scale, group_size, out_features, "int8_group_dequantize");
-  const int64_t N = out_features, K = tiles.size(1), G = group_size, groups = (K + G - 1) / G;
+at::Tensor int8_group_dequantize(const at::Tensor& tiles, const at::Tensor& scale, const std::optional<at::Tensor>& super, int64_t group_size,
+                                 int64_t out_features, const at::Tensor& like) {
+  const int64_t per_super = check_int8_group(tiles, scale, super, group_size, out_features, "int8_group_dequantize");
+  const int64_t N = out_features, K = tiles.size(1), G = group_size, groups = (K + G - 1) / G, supers = per_super ? groups / per_super : 0;
   const int8_t* wp = tiles.data_ptr<int8_t>();
+  const c10::Half* hp = super ? super->data_ptr<c10::Half>() : nullptr;
   at::Tensor out;
-  with_scale_type(scale, [&](auto* scale_tag) {
+  with_group_scale_type(scale, [&](auto* scale_tag) {
     using S = std::remove_pointer_t<decltype(scale_tag)>;
     const S* sp = scale.data_ptr<S>();
     out = dequantize_transposed(N, K, tiles.size(0), like, "int8_group_dequantize", [&](int64_t t, int64_t k, auto* o) {
       const int8_t* w = wp + (t * K + k) * kTileN;
-      const S* s = sp + (t * groups + k / G) * kTileN;
+      const S* s = sp + t * groups * kTileN;
+      const c10::Half* h = hp ? hp + t * supers * kTileN : nullptr;
 #if TOKENMILL_SIMD
-      for (int v = 0; v < kVecs; ++v) store(o + v * W, tokenmill_cpu::load_int8(w + v * W) * Vec::load(s + v * W));
+      for (int v = 0; v < kVecs; ++v) store(o + v * W, tokenmill_cpu::load_int8(w + v * W) * group_scale(s, h, per_super, k / G, v));
 #else
-      for (int r = 0; r < kTileN; ++r) o[r] = static_cast<std::remove_pointer_t<decltype(o)>>(static_cast<float>(w[r]) * static_cast<float>(s[r]));
+      for (int r = 0; r < kTileN; ++r)
+        o[r] = static_cast<std::remove_pointer_t<decltype(o)>>(static_cast<float>(w[r]) * group_scale_at(s, h, per_super, k / G, r));
 #endif
     });
   });
@@ -822,7 +866,7 @@ at::Tensor int8_dequantize(const at::Tensor& tiles, const at::Tensor& scale, int
               "int8_dequantize: scale must be float32 [N]");
   // The scales padded to whole tiles (the padded rows are never stored), as [tiles, 1 group, kTileN].
   const at::Tensor scale_tiles = at::constant_pad_nd(scale, {0, tiles.size(0) * kTileN - N}).view({tiles.size(0), 1, kTileN});
-  return int8_group_dequantize(tiles, scale_tiles, std::max<int64_t>(K, 1), N, like);
+  return int8_group_dequantize(tiles, scale_tiles, std::nullopt, std::max<int64_t>(K, 1), N, like);
 }
 
 // int4_pack's tiles dequantized, transposed: W^T[k, n] = q * scale + min of row n's group of k, rounded
@@ -876,8 +920,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("int8_pack(Tensor q) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int out_features, Tensor? bias) -> Tensor");
   m.def("int8_dequantize(Tensor tiles, Tensor scale, int out_features, Tensor like) -> Tensor");
-  m.def("int8_group_linear(Tensor x, Tensor tiles, Tensor scale, int group_size, int out_features, Tensor? bias) -> Tensor");
-  m.def("int8_group_dequantize(Tensor tiles, Tensor scale, int group_size, int out_features, Tensor like) -> Tensor");
+  m.def("int8_group_linear(Tensor x, Tensor tiles, Tensor scale, Tensor? super_scale, int group_size, int out_features, Tensor? bias) -> Tensor");
+  m.def("int8_group_dequantize(Tensor tiles, Tensor scale, Tensor? super_scale, int group_size, int out_features, Tensor like) -> Tensor");
   m.def("int4_pack(Tensor packed, Tensor scale, Tensor min) -> Tensor[]");
   m.def("int4_linear(Tensor x, Tensor tiles, Tensor scale, Tensor min, int group_size, int out_features, Tensor? bias) -> Tensor");
   m.def("int4_linear_a8(Tensor x, Tensor tiles, Tensor scale, Tensor min, int group_size, int out_features, Tensor? bias) -> Tensor");

@@ -35,7 +35,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
 from tokenmill.layers.quantization.unquantized import is_lm_head
-from tokenmill.layers.quantization.weight_only import int4_linear_call, int4_tiles, int8_group_linear_call, int8_group_tiles, quantized_linear
+from tokenmill.layers.quantization.weight_only import bound_linear_call, int4_linear_call, int4_tiles, int8_group_linear_call, int8_group_tiles, quantized_linear
 
 # GGML type ids (gguf.GGMLQuantizationType) computed packed, with (values, bytes) per block.
 BLOCKS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
@@ -103,9 +103,9 @@ class GGUFTensor:
         return torch.from_numpy(np.ascontiguousarray(dequantize(self.data.numpy(), self.ggml_type))).view(self.rows, self.cols).to(dtype)
 
 
-def q6_k_values(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q6_K blocks [rows, blocks, 210] -> (q [rows, blocks * 256] int8 in -32..31, scale [rows, blocks * 16]
-    float32 per 16 values: d x the block's int8 scale, exact in float32). A block: 128 bytes of low
+def q6_k_values(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K blocks [rows, blocks, 210] -> (q [rows, blocks * 256] int8 in -32..31, the int8 scale of each 16
+    values [rows, blocks * 16], the block's fp16 d [rows, blocks]): a value is q x scale x d. A block: 128 bytes of low
     nibbles (ql), 64 of high bit pairs (qh), 16 int8 scales, fp16 d; each half of 128 values takes 64
     bytes of ql and 32 of qh: values l, l + 32, l + 64, l + 96 (l < 32) are ql[l] & 15, ql[l + 32] &
     15, ql[l] >> 4, ql[l + 32] >> 4 with qh[l]'s bits 0-1, 2-3, 4-5, 6-7 on top, minus 32."""
@@ -114,9 +114,9 @@ def q6_k_values(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     low = torch.stack([ql & 15, ql >> 4], dim=3).view(rows, count, 2, 4, 32)  # [.., half, value l + 32 j]
     high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=3)
     q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).view(rows, count * 256)
-    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
-    d = blocks[..., 208:210].contiguous().view(torch.float16).float()
-    return q, (scales * d).view(rows, count * 16)
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).view(rows, count * 16)
+    d = blocks[..., 208:210].contiguous().view(torch.float16).view(rows, count)
+    return q, scales, d
 
 
 @dataclass
@@ -124,11 +124,12 @@ class TiledSegment:
     """A Q8_0, Q4_0, Q4_1 or Q6_K tensor moved onto the weight-only methods' tiles (decode_linear.cpp):
     Q8_0's int8 values with their fp16 scale per block (int8_group_linear), Q4_0/Q4_1's nibbles as they
     are with their fp16 scales and mins (the int4 method's kernels, on x quantized to int8 per block of
-    32, as llama.cpp computes them; Q4_0's min is -8 times its scale), Q6_K's values as int8 with a
-    float32 scale per 16 (10 bits a weight against the file's 6.56: its row kernel streams at a third
-    of the speed). The same weights as the file's; those kernels stream faster than gguf_linear.cpp's rows."""
+    32, as llama.cpp computes them; Q4_0's min is -8 times its scale), Q6_K's values as int8 with the
+    file's int8 scale per 16 and fp16 d per 256 (8.6 bits a weight against the file's 6.56: its row
+    kernel streams at a third of the speed). The same weights as the file's; those kernels stream
+    faster than gguf_linear.cpp's rows."""
 
-    tensors: tuple  # the kernel's weight arguments: (tiles, scale, group) or (tiles, scale, min, group)
+    tensors: tuple  # the kernel's weight arguments: (tiles, scale, super scale or None, group) or (tiles, scale, min, group)
     ggml_type: int  # the file's type
     linear_call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -141,7 +142,8 @@ class TiledSegment:
             return None
         blocks = weight.data.contiguous().view(weight.rows, weight.cols // values, size)
         if name == "Q6_K":
-            return cls._on_int8_tiles(weight, *q6_k_values(blocks), group=16)
+            q, scale, d = q6_k_values(blocks)
+            return cls._on_int8_tiles(weight, q, scale, group=16, super_scale=d)
         scale = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
         if name == "Q8_0":
             q = blocks[..., 2:].contiguous().view(torch.int8).reshape(weight.rows, weight.cols)
@@ -152,9 +154,11 @@ class TiledSegment:
         return cls(tensors, weight.ggml_type, int4_linear_call(tensors, weight.rows, on_kernels=True, int8_activations=int8_activations))
 
     @classmethod
-    def _on_int8_tiles(cls, weight: GGUFTensor, q: torch.Tensor, scale: torch.Tensor, group: int) -> "TiledSegment":
-        """int8 values q [rows, cols] with a scale per row and group of `group` values (int8_group_linear)."""
-        tensors = (*int8_group_tiles(q, scale), group)
+    def _on_int8_tiles(cls, weight: GGUFTensor, q: torch.Tensor, scale: torch.Tensor, group: int,
+                       super_scale: torch.Tensor | None = None) -> "TiledSegment":
+        """int8 values q [rows, cols] with a scale per row and group of `group` values (int8_group_linear; int8
+        scales times super_scale per run of groups)."""
+        tensors = (*int8_group_tiles(q, scale, super_scale), group)
         return cls(tensors, weight.ggml_type, int8_group_linear_call(tensors, weight.rows))
 
 
@@ -227,6 +231,12 @@ class GGUFLinearMethod(LinearMethodBase):
             return packed_linear(x, segments[0], bias)
         y = torch.cat([packed_linear(x, segment, None) for segment in segments], dim=-1)
         return y if bias is None else y + bias
+
+    def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        segments = layer.gguf_segments
+        if len(segments) == 1 and isinstance(segments[0], TiledSegment):
+            return bound_linear_call(segments[0].linear_call, bias)
+        return super().bound_apply(layer, bias)
 
 
 class GGUFEmbeddingMethod(EmbeddingMethodBase):

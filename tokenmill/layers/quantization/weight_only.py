@@ -137,9 +137,9 @@ class KernelLinear:
         return call
 
 
-def bound_linear_call(layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """bound_apply of a layer whose apply is its linear_call (x, bias)."""
-    call = layer.linear_call
+def bound_linear_call(call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+                      bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """bound_apply of a layer whose apply is a linear_call (x, bias)."""
     if isinstance(call, KernelLinear):
         return call.bound(bias)
     return lambda x: call(x, bias)
@@ -183,17 +183,22 @@ def int4_linear_call(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     return KernelLinear(op.default, (*quantized, out_features), general, any_rows)
 
 
-def int8_group_tiles(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 q [N, K] with a scale per row and group ([N, groups], fp16 or float32: kept as it is) in the kernels'
-    layout: int8_pack's tiles and the scales by tile [tiles, groups, 32] (int8_group_linear, decode_linear.cpp)."""
-    n, groups = scale.shape
-    tiles = -(-n // 32)
-    scale_tiles = F.pad(scale, (0, 0, 0, tiles * 32 - n)).view(tiles, 32, groups).transpose(1, 2).contiguous()
-    return cpu_kernels.int8_pack(q.contiguous()), scale_tiles
+def int8_group_tiles(q: torch.Tensor, scale: torch.Tensor,
+                     super_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """int8 q [N, K] with a scale per row and group ([N, groups], fp16 or float32: kept as it is; or int8 times
+    super_scale [N, supers] fp16, one per run of groups) in the kernels' layout: int8_pack's tiles and the
+    scales by tile [tiles, groups, 32] (and [tiles, supers, 32]; int8_group_linear, decode_linear.cpp)."""
+    tiles = -(-q.shape[0] // 32)
+
+    def by_tile(per_row: torch.Tensor) -> torch.Tensor:
+        n, groups = per_row.shape
+        return F.pad(per_row, (0, 0, 0, tiles * 32 - n)).view(tiles, 32, groups).transpose(1, 2).contiguous()
+
+    return cpu_kernels.int8_pack(q.contiguous()), by_tile(scale), None if super_scale is None else by_tile(super_scale)
 
 
-def int8_group_linear_call(quantized: tuple[torch.Tensor, torch.Tensor, int], out_features: int) -> KernelLinear:
-    """linear_call (x, bias) of an int8 weight with group scales held as (int8_group_tiles, group_size)."""
+def int8_group_linear_call(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int], out_features: int) -> KernelLinear:
+    """linear_call (x, bias) of an int8 weight with group scales held as (*int8_group_tiles, group_size)."""
 
     def general(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return quantized_linear(x, bias, lambda rows: cpu_kernels.int8_group_linear(rows, *quantized, out_features, bias),
@@ -225,7 +230,7 @@ class Int8LinearMethod(LinearMethodBase):
         return int8_linear(layer, x, bias)
 
     def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-        return bound_linear_call(layer, bias)
+        return bound_linear_call(layer.linear_call, bias)
 
 
 class Int4LinearMethod(LinearMethodBase):
@@ -254,7 +259,7 @@ class Int4LinearMethod(LinearMethodBase):
         return layer.linear_call(x, bias)  # store_int4's, or store_int8's for an int8 layer
 
     def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-        return bound_linear_call(layer, bias)
+        return bound_linear_call(layer.linear_call, bias)
 
 
 class Int8LMHeadMethod(UnquantizedEmbeddingMethod):
