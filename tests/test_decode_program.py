@@ -1,17 +1,20 @@
 """The Llama family's decode program (models/llama.py: batches of plain decodes on the CPU kernels, with
 every layer's lookups done once) computes exactly what the layers' forward computes: the same tokens and
 the same logprobs, bit for bit, for each variant the program binds (GQA and MQA, biases, sliding windows,
-q/k norms, bf16, quantized linears, a quantized KV cache, speculative rows), and those batches take it."""
+q/k norms, bf16, quantized linears, a quantized KV cache, speculative rows), and those batches take it;
+its one op for a layer's attention (decode_attention_block) equals the ops it stands for."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import random_prompts
 from test_gguf_quantization import mixed_type
 from test_loader import write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu
+from tokenmill.layers.kv_quant import KVScales
 
 pytestmark = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="tokenmill's CPU kernels are not built here")
 
@@ -69,3 +72,44 @@ def test_decode_program_off_by_environment(tiny_model_factory, monkeypatch):
     llm = LLM(model=tiny_model_factory("llama_gqa"), dtype="float32", num_kv_blocks=64)
     _run(llm, random_prompts([5], seed=4))
     assert llm.llm_engine.executor.driver_runner.model.model.decode_program is None
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.int8), (torch.float32, torch.float8_e4m3fn)], ids=str)
+def test_decode_attention_block_is_its_parts(dtype, cache_dtype, window):
+    """decode_attention_block (the program's one op for a layer's attention) equals rotary, the KV write and
+    paged_decode_attention called one after another, bit for bit, caches and scales included."""
+    gen = torch.Generator().manual_seed(0)
+    T, H, Hkv, D, NB, BS = 3, 4, 2, 64, 8, 4
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen).to(dtype)
+    angles = torch.rand(T, D // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, dim=1).to(dtype), torch.cat([angles.sin()] * 2, dim=1).to(dtype)
+    caches = [(torch.randn(Hkv, NB, BS, D, generator=gen) * 0.5).to(cache_dtype) for _ in range(2)]
+    scales = KVScales.allocate(cache_dtype, (Hkv, NB, BS, D), torch.device("cpu"))
+    block_table = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    positions = torch.tensor([4, 7, 2])  # the context is 0..position: the new token at slot block_table[pos // BS] * BS + pos % BS
+    slots = block_table.gather(1, (positions // BS)[:, None]).squeeze(1) * BS + positions % BS
+    rows = torch.arange(T)
+
+    def run(fused: bool):
+        q_k_v, (k_cache, v_cache) = qkv.clone(), [c.clone() for c in caches]
+        k_scale, v_scale = (None, None) if scales is None else (scales.k.clone(), scales.v.clone())
+        ops = torch.ops.tokenmill_cpu
+        if fused:
+            out = ops.decode_attention_block(q_k_v, H, Hkv, cos, sin, k_cache, v_cache, k_scale, v_scale, slots, rows, block_table,
+                                             positions, window, D**-0.5)
+        else:
+            q, k, v = (t.view(T, -1, D) for t in q_k_v.split([H * D, Hkv * D, Hkv * D], dim=1))
+            ops.rotary(q, k, cos, sin)
+            if scales is None:
+                ops.write_kv(k_cache, v_cache, k, v, slots)
+            else:
+                ops.write_kv_quantized(k_cache, v_cache, k_scale, v_scale, k, v, slots)
+            out = q.new_empty(q.shape)
+            ops.paged_decode_attention(out, q.contiguous(), k_cache, v_cache, rows, block_table, positions, window, D**-0.5, k_scale, v_scale)
+            out = out.view(T, H * D)
+        return out, q_k_v, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale
+
+    for got, want in zip(run(True), run(False)):
+        assert (got is None and want is None) or torch.equal(got, want)

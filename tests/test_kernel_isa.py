@@ -11,7 +11,8 @@ For each level, a build with TOKENMILL_CPU_MARCH=<level> in a temporary TORCH_EX
 Each runs the kernel tests of tests/test_layers.py, all of tests/test_kernel_shapes.py and
 tests/test_quant_kernels.py and tests/test_gguf_kernels.py, the prompt-chunk kernel tests of tests/test_chunk_attention.py, the
 `kv_quant_kernel` tests of tests/test_kv_quant.py (quantized KV cache writes and decode), the
-`cascade_kernel` tests of tests/test_cascade_attention.py (decodes over a shared prefix), and the
+`cascade_kernel` tests of tests/test_cascade_attention.py (decodes over a shared prefix), the
+`decode_attention_block` tests of tests/test_decode_program.py (a layer's decode attention in one op), and the
 `w8a8_kernel` tests of tests/test_w8a8.py (whose x86-64-v4
 build runs the AVX512BW code, x86-64-v4 having no VNNI; -march=native runs VNNI where the CPU has
 it) in a subprocess, and checks that the kernels were really used there (built, loaded, no test skipped,
@@ -150,8 +151,9 @@ def test_kernels_built_for_level_pass(build, level):
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
          "tests/test_layers.py", "tests/test_kernel_shapes.py", "tests/test_quant_kernels.py", "tests/test_w8a8.py",
          "tests/test_chunk_attention.py", "tests/test_kv_quant.py", "tests/test_cascade_attention.py", "tests/test_gguf_kernels.py",
+         "tests/test_decode_program.py",
          "-k", f"{LAYER_TESTS} or test_kernel_shapes or test_quant_kernels or w8a8_kernel or {CHUNK_TESTS} or kv_quant_kernel "
-         "or cascade_kernel or test_gguf_"],
+         "or cascade_kernel or test_gguf_ or decode_attention_block"],
         cwd=ROOT, env=_env(build.root, level), capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
     )  # fmt: skip
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""

@@ -317,6 +317,19 @@ class Attention(nn.Module):
         out = self.backend.forward(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, self.workspace, self.kv_scales)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
+    def plain_decode_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: BatchInputs,
+                         group: AttentionGroup) -> torch.Tensor:
+        """Rotary on q and k, then plain_decode, in one op (decode_attention_block, paged_attention.cpp): qkv [T, (H +
+        2 Hkv) D], the fused projection's output (its q and k rotated in place) -> [T, H*D]; the same kernels, so the
+        same numbers as apply_rotary then plain_decode."""
+        scales = self.kv_scales
+        token_rows, positions = group.decode_rows_and_positions()
+        return torch.ops.tokenmill_cpu.decode_attention_block.default(
+            qkv, self.num_heads, self.num_kv_heads, cos, sin, self.k_cache, self.v_cache, None if scales is None else scales.k,
+            None if scales is None else scales.v, batch.slot_mapping, token_rows, group.block_table, positions, self.sliding_window or 0,
+            self.scale,
+        )
+
     def plain_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs, group: AttentionGroup) -> torch.Tensor:
         """forward on the CPU kernels for a batch of plain decodes (BatchInputs.plain_decode_group):
         q [T, H, D], k/v [T, Hkv, D] -> [T, H*D], the same calls as forward without its dispatch."""

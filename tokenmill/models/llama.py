@@ -121,7 +121,7 @@ class LlamaDecoderLayer(nn.Module):
         sizes, num_heads, num_kv_heads, head_dim = attn.qkv_proj.output_sizes, attn.num_heads, attn.num_kv_heads, attn.head_dim
         q_norm, k_norm, attention = attn.q_norm, attn.k_norm, attn.attn
         ops = torch.ops.tokenmill_cpu  # the ops' overloads, resolved once (kernels/cpu.py's wrappers resolve them per call)
-        rms_norm, add_rms_norm, silu_and_mul, rotary = ops.rms_norm.default, ops.add_rms_norm.default, ops.silu_and_mul.default, ops.rotary.default
+        rms_norm, add_rms_norm, silu_and_mul = ops.rms_norm.default, ops.add_rms_norm.default, ops.silu_and_mul.default
 
         def step(hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: BatchInputs,
                  group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,15 +129,14 @@ class LlamaDecoderLayer(nn.Module):
                 residual, x = hidden, rms_norm(hidden, weight_1, eps_1)
             else:
                 x = add_rms_norm(residual, hidden, weight_1, eps_1)
-            q, k, v = qkv(x).split(sizes, dim=-1)
-            tokens = q.shape[0]
-            q, k = q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim)
-            if q_norm is None:
-                rotary(q, k, cos, sin)  # in place; q and k are views of qkv's rows, the layout the op takes
+            if q_norm is None:  # rotary, the KV write and the attention in one op
+                out = attention.plain_decode_qkv(qkv(x), cos, sin, batch, group)
             else:
-                q, k = apply_rotary(q_norm(q), k_norm(k), cos, sin)
-            x = add_rms_norm(residual, o_proj(attention.plain_decode(q, k, v.view(tokens, num_kv_heads, head_dim), batch, group)),
-                             weight_2, eps_2)
+                q, k, v = qkv(x).split(sizes, dim=-1)
+                tokens = q.shape[0]
+                q, k = apply_rotary(q_norm(q.view(tokens, num_heads, head_dim)), k_norm(k.view(tokens, num_kv_heads, head_dim)), cos, sin)
+                out = attention.plain_decode(q, k, v.view(tokens, num_kv_heads, head_dim), batch, group)
+            x = add_rms_norm(residual, o_proj(out), weight_2, eps_2)
             return down(silu_and_mul(gate_up(x))), residual
 
         return step

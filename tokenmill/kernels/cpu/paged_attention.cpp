@@ -556,6 +556,38 @@ void write_kv_quantized(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_sca
   });
 }
 
+// A layer's attention for a batch of plain decodes, from its fused QKV projection's output qkv [T, (H + 2 Hkv) D]:
+// rotary on q and k (in place, pointwise.cpp's op), the new K/V written to their slots (quantized for a quantized
+// cache), then paged_decode_attention; returns [T, H D]. One call where the model made six (a split, rotary,
+// write_kv, an empty output, the attention), each a Python-to-C++ dispatch of ~1-2 us (the decode program,
+// models/llama.py).
+at::Tensor decode_attention_block(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, const at::Tensor& cos, const at::Tensor& sin,
+                                  at::Tensor k_cache, at::Tensor v_cache, const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale, const at::Tensor& slot_mapping, const at::Tensor& token_rows,
+                                  const at::Tensor& block_table, const at::Tensor& positions, int64_t window, double scale) {
+  TORCH_CHECK(k_cache.dim() == 4, "decode_attention_block: caches must be [Hkv, blocks, block_size, D]");
+  const int64_t T = qkv.size(0), H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (H + 2 * Hkv) * D && k_cache.size(0) == Hkv,
+              "decode_attention_block: qkv must be [T, (H + 2 Hkv) D] with contiguous rows, matching the cache's heads");
+  TORCH_CHECK(k_scale.has_value() || k_cache.scalar_type() == qkv.scalar_type(),
+              "decode_attention_block: an unquantized cache must be in q's dtype");
+  const at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
+  const at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
+  const at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
+  static const auto rotary = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("tokenmill_cpu::rotary", "")
+                                 .typed<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&)>();
+  rotary.call(q, k, cos, sin);
+  if (k_scale.has_value())
+    write_kv_quantized(k_cache, v_cache, *k_scale, *v_scale, k, v, slot_mapping);
+  else
+    write_kv(k_cache, v_cache, k, v, slot_mapping);
+  at::Tensor out = at::empty({T, H, D}, qkv.options());
+  paged_decode_attention(out, q.contiguous(), k_cache, v_cache, token_rows, block_table, positions, window, scale, k_scale, v_scale, 0,
+                         std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  return out.view({T, H * D});
+}
+
 // "avx512", "avx2" or "scalar": the vector code this build runs (vec.h).
 std::string vector_isa() { return tokenmill_cpu::vector_isa(); }
 
@@ -572,4 +604,8 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("write_kv_quantized(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor k, Tensor v, "
         "Tensor slot_mapping) -> ()");
   m.impl("write_kv_quantized", c10::DispatchKey::CPU, &write_kv_quantized);
+  m.def("decode_attention_block(Tensor(a!) qkv, int num_heads, int num_kv_heads, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+        "Tensor(c!) v_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slot_mapping, Tensor token_rows, Tensor block_table, "
+        "Tensor positions, int window, float scale) -> Tensor");
+  m.impl("decode_attention_block", c10::DispatchKey::CPU, &decode_attention_block);
 }
