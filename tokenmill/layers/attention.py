@@ -331,18 +331,10 @@ class Attention(nn.Module):
         )
 
     def plain_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs, group: AttentionGroup) -> torch.Tensor:
-        """forward on the CPU kernels for a batch of plain decodes (BatchInputs.plain_decode_group):
-        q [T, H, D], k/v [T, Hkv, D] -> [T, H*D], the same calls as forward without its dispatch."""
-        k_cache, v_cache, kv_scales = self.k_cache, self.v_cache, self.kv_scales
-        if kv_scales is None and k.dtype == k_cache.dtype:
-            torch.ops.tokenmill_cpu.write_kv.default(k_cache, v_cache, k, v, batch.slot_mapping)
-        else:
-            CpuPagedAttention.write_kv(k_cache, v_cache, k, v, batch, kv_scales)
-        token_rows, positions = group.decode_rows_and_positions()
-        k_scale, v_scale = scale_tensors(kv_scales)
+        """forward on the CPU kernels for a batch of plain decodes (BatchInputs.plain_decode_group) whose q and k
+        were rotated already (q/k norms first: Qwen3): q [T, H, D], k/v [T, Hkv, D] -> [T, H*D], the CPU
+        backend's write and decode without forward's dispatch over groups."""
+        CpuPagedAttention.write_kv(self.k_cache, self.v_cache, k, v, batch, self.kv_scales)
         out = q.new_empty(q.shape)
-        torch.ops.tokenmill_cpu.paged_decode_attention.default(
-            out, q.contiguous(), k_cache, v_cache, token_rows, group.block_table, positions, self.sliding_window or 0, self.scale,
-            k_scale, v_scale, 0, None, None, None, None,
-        )
+        CpuPagedAttention.decode(q, self.k_cache, self.v_cache, group, out, self.scale, self.sliding_window, None, self.kv_scales)
         return out.view(q.shape[0], -1)

@@ -165,16 +165,16 @@ class LlamaModel(nn.Module):
         group = batch.plain_decode_group()
         if group is not None and self.use_decode_program and self.layers[0].self_attn.attn.backend is CpuPagedAttention:
             # A decode program: each layer's forward with its lookups done once (built on the first such
-            # batch, after the weights are loaded and processed). Python's share of a token at one request
-            # on SmolLM2 (30 layers): ~1.5 ms of module calls, attribute lookups and checks through
-            # forward, ~0.7 ms through the program (8.4 -> 7.1 ms a token, Zen 5, bf16).
+            # batch, after the weights are loaded and processed) and its attention in one op. SmolLM2 (30
+            # layers), one request, Zen 5, bf16: 8.19 -> 6.83 ms a token against forward's module calls,
+            # attribute lookups and checks (benchmarks/decode_program.py).
             if self.decode_program is None:
                 self.decode_program = [layer.plain_decode_step() for layer in self.layers]
             for step in self.decode_program:
                 hidden, residual = step(hidden, residual, cos, sin, batch, group)
-            return self.norm(hidden, residual)[0]
-        for layer in self.layers:
-            hidden, residual = layer.forward(hidden, residual, cos, sin, batch)  # (forward: see LlamaAttention)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer.forward(hidden, residual, cos, sin, batch)  # (forward: see LlamaAttention)
         return self.norm(hidden, residual)[0]
 
 

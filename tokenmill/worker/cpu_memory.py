@@ -105,8 +105,6 @@ def zeros_huge_page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> np.nd
     return buf.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize]).reshape(shape)
 
 
-
-
 # Disables the KV cache prefault (KVPrefault): "0" leaves the cache's pages to be faulted in by use.
 KV_PREFAULT_ENV = "TOKENMILL_KV_PREFAULT"
 # The prefault stops where the machine's available memory would fall below this (bytes, or this
