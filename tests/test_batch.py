@@ -31,43 +31,68 @@ def test_mixed_batch_layout():
     chunks = [
         chunk("dec", [50], start=5, blocks=[3, 7]),  # decode of token 6 (position 5)
         chunk("full", [10, 11, 12, 13, 14, 15], start=0, blocks=[1, 2]),  # whole prompt
-        chunk("part", [20, 21, 22], start=4, blocks=[4, 5], sample=False),  # middle chunk
+        chunk("part", [20, 21, 22, 23, 24], start=4, blocks=[4, 5, 8], sample=False),  # middle chunk
         chunk("dec2", [60], start=0, blocks=[6]),  # one-token prompt
     ]
     b = build(chunks)
-    assert b.num_tokens == 11
-    assert b.input_ids.tolist() == [50, 10, 11, 12, 13, 14, 15, 20, 21, 22, 60]
-    assert b.positions.tolist() == [5, 0, 1, 2, 3, 4, 5, 4, 5, 6, 0]
-    assert b.query_start_loc.tolist() == [0, 1, 7, 10, 11]
-    assert b.seq_lens.tolist() == [6, 6, 7, 1]
-    assert b.block_tables.tolist() == [[3, 7], [1, 2], [4, 5], [6, 0]]
+    assert b.num_tokens == 13
+    assert b.input_ids.tolist() == [50, 10, 11, 12, 13, 14, 15, 20, 21, 22, 23, 24, 60]
+    assert b.positions.tolist() == [5, 0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 8, 0]
+    assert b.query_start_loc.tolist() == [0, 1, 7, 12, 13]
+    assert b.seq_lens.tolist() == [6, 6, 9, 1]
+    assert b.block_tables.tolist() == [[3, 7, 0], [1, 2, 0], [4, 5, 8], [6, 0, 0]]
     # slot = block_id * block_size + offset
     assert b.slot_mapping.tolist() == [
         7 * 4 + 1,
         1 * 4 + 0, 1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1,
-        5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2,
+        5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 8 * 4 + 0,
         6 * 4 + 0,
     ]  # fmt: skip
     # Only chunks that sample give a logits row: their last token.
-    assert b.logits_indices.tolist() == [0, 6, 10]
+    assert b.logits_indices.tolist() == [0, 6, 12]
 
     decode, prefill = b.attn_groups
-    assert decode.token_index.tolist() == [[0], [10]]
+    assert decode.token_index.tolist() == [[0], [12]]
     assert decode.query_pos.tolist() == [[5], [0]]
     assert decode.block_table.tolist() == [[3, 7], [6, 0]]
-    assert prefill.token_index.tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 11, 11, 11]]  # padding -> scratch row 11
+    assert prefill.token_index.tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 13]]  # padding -> scratch row 13
     assert prefill.query_pos[0].tolist() == [0, 1, 2, 3, 4, 5]
-    assert prefill.query_pos[1, :3].tolist() == [4, 5, 6]
-    assert prefill.block_table.tolist() == [[1, 2], [4, 5]]
+    assert prefill.query_pos[1, :5].tolist() == [4, 5, 6, 7, 8]
+    assert prefill.block_table.tolist() == [[1, 2, 0], [4, 5, 8]]
+
+
+def test_short_chunks_past_a_context_attend_as_decode_rows():
+    """A chunk of up to SHORT_CHUNK_MAX_TOKENS tokens after position 0 (a draft's catch-up, a prompt's tail after a
+    prefix-cache hit) is a row per token of the decode group, each over its context up to itself; a longer one, or
+    one from position 0, is a prompt chunk."""
+    from tokenmill.worker.batch import SHORT_CHUNK_MAX_TOKENS
+
+    short = list(range(1, SHORT_CHUNK_MAX_TOKENS + 1))
+    chunks = [
+        chunk("dec", [50], start=5, blocks=[3, 7]),
+        chunk("short", short, start=6, blocks=[1, 2, 9]),
+        chunk("first", short, start=0, blocks=[4, 5]),
+        chunk("long", short + [99], start=6, blocks=[6, 8, 10]),
+    ]
+    b = build(chunks)
+    decode, prompts = b.attn_groups
+    n = SHORT_CHUNK_MAX_TOKENS
+    assert decode.token_index.flatten().tolist() == list(range(1 + n))  # the decode, then the short chunk's tokens
+    assert decode.query_pos.flatten().tolist() == [5] + list(range(6, 6 + n))
+    assert decode.block_table[1:].tolist() == [[1, 2, 9][: decode.block_table.shape[1]]] * n
+    assert b.attn_groups[0].shared_prefix is None and b.attn_groups[0].tree_start is None
+    assert prompts.token_index.shape == (2, n + 1)  # "long" and "first", longest first
+    assert b.plain_decode_group() is None  # prompt chunks too: not a plain decode batch
+    assert build(chunks[:2]).plain_decode_group() is not None
 
 
 def test_mask_is_causal_over_the_requests_context():
-    chunks = [chunk("a", [1, 2, 3], start=2, blocks=[1, 2]), chunk("b", [4, 5], start=0, blocks=[3])]
+    chunks = [chunk("a", [1, 2, 3, 4, 5], start=2, blocks=[1, 2]), chunk("b", [4, 5], start=0, blocks=[3])]
     b = build(chunks, block_size=4)
     (group,) = b.attn_groups
     mask = group.mask(4)
-    assert mask.shape == (2, 1, 3, 8)
-    for row, (start, q_len) in enumerate([(2, 3), (0, 2)]):
+    assert mask.shape == (2, 1, 5, 8)
+    for row, (start, q_len) in enumerate([(2, 5), (0, 2)]):
         for i in range(q_len):
             expected = [kv <= start + i for kv in range(8)]
             assert mask[row, 0, i].tolist() == expected
@@ -88,10 +113,10 @@ def test_block_table_wider_than_needed_is_sliced_per_group():
 def test_prompt_chunks_of_very_different_lengths_are_not_padded_together():
     # A shared prefix computed once (40 tokens) next to short suffix chunks, and two decodes.
     chunks = [chunk("long", list(range(40)), 0, list(range(1, 11)))]
-    chunks += [chunk(f"s{i}", [1, 2, 3], 40, list(range(11 + 11 * i, 22 + 11 * i))) for i in range(5)]
+    chunks += [chunk(f"s{i}", [1, 2, 3, 4, 5, 6], 40, list(range(11 + 12 * i, 23 + 12 * i))) for i in range(5)]
     chunks += [chunk("d0", [7], 9, [90, 91, 92]), chunk("d1", [8], 2, [93])]
     batch = build(chunks)
     shapes = [tuple(g.token_index.shape) for g in batch.attn_groups]
-    assert shapes == [(2, 1), (2, 40), (4, 3)]  # at most 2x padding: the long chunk takes one short one along
+    assert shapes == [(2, 1), (2, 40), (4, 6)]  # at most 2x padding: the long chunk takes one short one along
     covered = sorted(int(t) for g in batch.attn_groups for t in g.token_index.flatten() if t < batch.num_tokens)
     assert covered == list(range(batch.num_tokens))  # every token attended exactly once

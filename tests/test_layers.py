@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tokenmill.config import cpu_has_native_bf16, resolve_dtype
 from tokenmill.engine.messages import ScheduledChunk
+from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.kernels.cpu import cpu_kernels_available
 from tokenmill.layers.attention import Attention, CpuPagedAttention, TorchPagedAttention
 from tokenmill.layers.quantization import PackedCPUWeight, cpu_packed_weights_supported
@@ -107,8 +108,9 @@ def test_packed_cpu_linear_matches_f_linear(rows, bias):
 @pytest.mark.skipif(not (cpu_kernels_available() and cpu_packed_weights_supported(torch.device("cpu"), torch.bfloat16)),
                     reason="no CPU kernels or no oneDNN bf16 here")
 def test_packed_cpu_linear_decode_rows_run_dense_linear(monkeypatch):
-    """A decode step's few rows (up to DECODE_MAX_ROWS) read dense_linear's copy of the weight; more rows
-    read oneDNN's packed one; both give F.linear's numbers. The copy is kept up to DECODE_COPY_MAX_BYTES."""
+    """A decode step's rows (up to decode_max_rows: 8, or 64 in bf16 where dense_linear multiplies pairs)
+    read dense_linear's copy of the weight, 2-D or not; more rows read oneDNN's packed one; both give
+    F.linear's numbers. The copy is kept up to DECODE_COPY_MAX_BYTES."""
     import tokenmill.layers.quantization.unquantized as unquantized
 
     for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
@@ -116,13 +118,18 @@ def test_packed_cpu_linear_decode_rows_run_dense_linear(monkeypatch):
         weight, b = torch.randn(96, 40).to(dtype), torch.randn(96).to(dtype)
         packed = PackedCPUWeight(weight)
         assert packed.decode_packed is not None
+        max_rows = unquantized.decode_max_rows(dtype)
+        assert max_rows == (unquantized.DECODE_MAX_ROWS_PAIRED_BF16 if dtype == torch.bfloat16 and cpu_kernels.bf16_pairs()
+                            else unquantized.DECODE_MAX_ROWS)
         calls = []
         monkeypatch.setattr(packed, "_dense", lambda *args: calls.append(len(args[0])) or torch.ops.tokenmill_cpu.dense_linear(*args))
-        for rows in range(1, unquantized.DECODE_MAX_ROWS + 3):
+        for rows in [*range(1, 10), max_rows - 1, max_rows, max_rows + 1, max_rows + 2]:
             x = torch.randn(rows, 40).to(dtype)
             want = F.linear(x.float(), weight.float(), b.float())
             torch.testing.assert_close(packed(x, b).float(), want, atol=tol * 5, rtol=tol)
-        assert calls == list(range(1, unquantized.DECODE_MAX_ROWS + 1))
+            torch.testing.assert_close(packed(x.view(1, rows, 40), b).float(), want.view(1, rows, 96), atol=tol * 5, rtol=tol)
+        assert calls == [rows for rows in [*range(1, 10), max_rows - 1, max_rows, max_rows + 1, max_rows + 2]
+                         for _ in range(2) if rows <= max_rows]
     monkeypatch.setenv(unquantized.DECODE_COPIES_ENV, "0")
     assert PackedCPUWeight(weight).decode_packed is None  # turned off
     monkeypatch.delenv(unquantized.DECODE_COPIES_ENV)

@@ -18,7 +18,7 @@ from tokenmill.layers.quantization import quant_utils as Q, weight_only as wo
 pytestmark = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="tokenmill's CPU kernels are not built here")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ROWS = [1, 2, 3, 4, 5, 9]
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -55,8 +55,11 @@ using tokenmill_cpu::Vec;
 constexpr int W = Vec::W;
 constexpr int kVecs = kTileN / W;  // vectors per tile row: 2 with AVX-512, 4 with AVX2
 // Rows of x per pass: kVecs x rows accumulators, the rows' broadcasts and a weight vector within
-// the ISA's registers (32 with AVX-512, 16 with AVX2).
-constexpr int kMaxRows = Vec::kRegisters >= 32 ? 4 : 2;
+// the ISA's registers (32 with AVX-512, 16 with AVX2). Up to 8 rows share each weight read: a
+// verifying pass of a speculative step (k drafts + 1 rows) or a decode batch of 5-8 then reads
+// its weights once, not in two passes of 4 whose second one adds its compute to the first's
+// memory time (SmolLM2's layers at 7 rows, bf16, Zen 5: 1.8x the time of one row in two passes).
+constexpr int kMaxRows = Vec::kRegisters >= 32 ? 8 : 2;
 #else
 constexpr int kMaxRows = 4;
 #endif
@@ -246,7 +249,9 @@ inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* t
 #if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
 // The same for bf16 x, MT rows as bf16 pairs (K / 2 per row), with vdpbf16ps (see the top of this
 // section). Each row keeps four sets of partial sums (rows 0..15 and 16..31, each for the quad's
-// first and second pair of features), so consecutive vdpbf16ps do not wait on each other.
+// first and second pair of features), so consecutive vdpbf16ps do not wait on each other; at one
+// or two rows, eight (even and odd quads apart): with four, each quad waited for the previous one's
+// vdpbf16ps (6 cycles on Zen 4/5), and one row of SmolLM2's layers streamed 35 GB/s.
 template <int MT, typename S>
 inline void int4_tile_dot_paired(const uint32_t* x_pairs, int64_t K, int64_t G, const uint8_t* tile, const S* scale, const S* min,
                                  const float* x_sums, float* out) {
@@ -254,13 +259,14 @@ inline void int4_tile_dot_paired(const uint32_t* x_pairs, int64_t K, int64_t G, 
   const __m512i low4 = _mm512_set1_epi16(0xF), bf16_128 = _mm512_set1_epi16(0x4300);
   const __m512 k128 = _mm512_set1_ps(128.f);
   constexpr int kOr = 0xEA;  // ternary logic: (a & b) | c
+  constexpr int kSets = MT <= 2 ? 2 : 1;  // sets of four partial sums per row
   __m512 acc[MT][2];
   for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 part[MT][4];
+    __m512 part[MT][4 * kSets];
     for (int i = 0; i < MT; ++i)
-      for (int p = 0; p < 4; ++p) part[i][p] = _mm512_setzero_ps();
-    for (int64_t j = g * G / kQuad; j < std::min(K, (g + 1) * G) / kQuad; ++j) {
+      for (int p = 0; p < 4 * kSets; ++p) part[i][p] = _mm512_setzero_ps();
+    auto quad = [&](int64_t j, int set) {
       prefetch_ahead(tile + j * kQuadBytes);
       const __m512i v = _mm512_loadu_si512(tile + j * kQuadBytes);
       const __m512bh w[4] = {
@@ -271,12 +277,20 @@ inline void int4_tile_dot_paired(const uint32_t* x_pairs, int64_t K, int64_t G, 
       for (int i = 0; i < MT; ++i) {
         const __m512bh first = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[i * pairs + 2 * j]));
         const __m512bh second = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[i * pairs + 2 * j + 1]));
-        part[i][0] = _mm512_dpbf16_ps(part[i][0], w[0], first);
-        part[i][1] = _mm512_dpbf16_ps(part[i][1], w[1], first);
-        part[i][2] = _mm512_dpbf16_ps(part[i][2], w[2], second);
-        part[i][3] = _mm512_dpbf16_ps(part[i][3], w[3], second);
+        __m512* p = part[i] + 4 * set;
+        p[0] = _mm512_dpbf16_ps(p[0], w[0], first);
+        p[1] = _mm512_dpbf16_ps(p[1], w[1], first);
+        p[2] = _mm512_dpbf16_ps(p[2], w[2], second);
+        p[3] = _mm512_dpbf16_ps(p[3], w[3], second);
       }
-    }
+    };
+    const int64_t j1 = std::min(K, (g + 1) * G) / kQuad;
+    int64_t j = g * G / kQuad;
+    for (; j + kSets <= j1; j += kSets)
+      for (int set = 0; set < kSets; ++set) quad(j + set, set);
+    for (; j < j1; ++j) quad(j, 0);
+    for (int i = 0; i < MT; ++i)
+      for (int p = 4; p < 4 * kSets; ++p) part[i][p - 4] = _mm512_add_ps(part[i][p - 4], part[i][p]);
     for (int h = 0; h < 2; ++h) {
       const __m512 s = Vec::load(scale + g * kTileN + h * kHalfRows).v;
       const __m512 mn = min ? Vec::load(min + g * kTileN + h * kHalfRows).v : _mm512_mul_ps(s, _mm512_set1_ps(-8.f));
@@ -491,6 +505,12 @@ inline void with_rows(int rows, F&& f) {
 #if !TOKENMILL_SIMD || TOKENMILL_SIMD == 512
     case 2: f(std::integral_constant<int, 2>{}); break;
     case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+#endif
+#if TOKENMILL_SIMD == 512
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
 #endif
     default: f(std::integral_constant<int, kMaxRows>{}); break;
   }

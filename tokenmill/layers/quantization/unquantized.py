@@ -28,6 +28,19 @@ def cpu_packed_weights_supported(device: torch.device, dtype: torch.dtype) -> bo
 # (`python benchmarks/decode_linear.py` times both per step; per weight, dense_linear measured
 # faster on every SmolLM2 shape up to 8 rows, bf16 and float32, and slower at 16).
 DECODE_MAX_ROWS = 8
+# bf16 where dense_linear multiplies pairs with vdpbf16ps (AVX512-BF16), eight rows at a time: up to
+# here. Layers streamed from memory, Zen 5, oneDNN's time over dense_linear's at 8 / 16 / 32 / 64
+# rows: SmolLM2's 1.22x / 1.17x / 1.12x / 1.10x, the 113M Llama's (768 wide) 1.12x / 1.11x / 1.05x /
+# 0.98x, a 1B Llama's 1.05x / 0.97x / 1.05x (float32, SmolLM2: 1.0x at 8-16, 0.94x at 32, so it
+# keeps DECODE_MAX_ROWS).
+DECODE_MAX_ROWS_PAIRED_BF16 = 32
+
+
+def decode_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which a weight of this dtype with a dense_linear copy takes it (the CPU kernels loaded)."""
+    return DECODE_MAX_ROWS_PAIRED_BF16 if dtype == torch.bfloat16 and cpu_kernels.bf16_pairs() else DECODE_MAX_ROWS
+
+
 # Weights up to this size keep a second copy in dense_linear's layout beside oneDNN's packed one,
 # for decode steps. It pays at every size (oneDNN's ~9 us a call beyond its reads, and its slower
 # streaming: SmolLM2's 56 MB LM head 1.2x, gate-up 1.3x at one row), but costs the weight's bytes
@@ -42,9 +55,9 @@ class PackedCPUWeight:
     """A weight (bf16 or float32) reordered once into oneDNN's blocked layout, as inductor's freezing pass does.
 
     F.linear reorders the weight on every call; at decode batch sizes that costs as much as the
-    matmul itself (measured: 2-4x faster at one row, 10-40% at 32-64 rows). A decode step's few rows
-    (up to DECODE_MAX_ROWS) run the CPU kernels' dense_linear instead, on a copy in its own layout
-    kept for weights of at most DECODE_COPY_MAX_BYTES.
+    matmul itself (measured: 2-4x faster at one row, 10-40% at 32-64 rows). A decode step's rows (up
+    to decode_max_rows) run the CPU kernels' dense_linear instead, on a copy in its own layout kept
+    for weights of at most DECODE_COPY_MAX_BYTES.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -56,12 +69,13 @@ class PackedCPUWeight:
                 and cpu_kernels.cpu_kernels_available()):
             self.decode_packed = cpu_kernels.dense_pack(weight)
             self._dense = torch.ops.tokenmill_cpu.dense_linear.default
+            self.decode_max_rows = decode_max_rows(weight.dtype)
 
     def bound(self, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
         """self(x, bias) for 2-D contiguous rows, as a function of x alone (LinearMethodBase.bound_apply)."""
         if self.decode_packed is None:
             return lambda x: self(x, bias)
-        out_features, dense, max_rows = self.out_features, self._dense, DECODE_MAX_ROWS
+        out_features, dense, max_rows = self.out_features, self._dense, self.decode_max_rows
 
         def call(x: torch.Tensor) -> torch.Tensor:
             packed = self.decode_packed  # read per call: benchmarks/decode_linear.py takes it away and back
@@ -72,19 +86,20 @@ class PackedCPUWeight:
         return call
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() == 2 and x.is_contiguous() and bucketed_rows(x.shape[0]) == x.shape[0]:
-            # Rows that need no padding (every decode step's few): no reshape, pad or slice (each a dispatch
-            # of ~1 us, at 121 calls a token on SmolLM2).
-            if self.decode_packed is not None and x.shape[0] <= DECODE_MAX_ROWS and x.dtype == self.decode_packed.dtype:
-                return self._dense(x, self.decode_packed, self.out_features, bias)
-            return self._matmul(x, self.packed, bias, "none", [], "")
-        flat = x.reshape(-1, self.in_features)
+        # A decode step's rows come 2-D and contiguous: then no reshape, pad or slice (each a dispatch of
+        # ~1 us, at 121 calls a token on SmolLM2).
+        flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
         rows = flat.shape[0]
-        padded = bucketed_rows(rows)
-        if padded != rows:
-            flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
-        y = self._matmul(flat.contiguous(), self.packed, bias, "none", [], "")
-        return y[:rows].view(*x.shape[:-1], self.out_features)
+        if self.decode_packed is not None and rows <= self.decode_max_rows and x.dtype == self.decode_packed.dtype:
+            y = self._dense(flat, self.decode_packed, self.out_features, bias)
+        else:
+            padded = bucketed_rows(rows)
+            if padded != rows:
+                flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
+            y = self._matmul(flat, self.packed, bias, "none", [], "")
+            if padded != rows:
+                y = y[:rows]
+        return y if flat is x else y.view(*x.shape[:-1], self.out_features)
 
 
 def bucketed_rows(rows: int) -> int:
