@@ -1,12 +1,13 @@
-"""The Llama family's decode program against the layers' forward, whole model (models/llama.py).
+"""The Llama family's decode programs against the layers' forward, whole model (models/llama.py).
 
     python benchmarks/decode_program.py [--model PATH] [--dtype auto] [-q METHOD] [--batches 1,4,32] [--rounds 7] [--tokens 128]
 
 Loads the model (by default the embedded SmolLM2-135M) once and times greedy generation of --tokens
-tokens for --batches requests at a time (32-token prompts; prefix caching off, so both compute them),
-the decode steps taking the program or every layer's forward, the two alternating round by round in
-one process, since these machines are shared and noisy. Prints the median milliseconds per step of
-each, the median of the rounds' ratios, and checks both give the same tokens.
+tokens for --batches requests at a time (32-token prompts; prefix caching off, so all compute them),
+the decode steps taking the C++ decode program (where the model has one), the Python one, or every
+layer's forward, the three alternating round by round in one process, since these machines are
+shared and noisy. Prints the median milliseconds per step of each, the medians of the rounds'
+ratios against forward, and checks all give the same tokens.
 """
 
 from __future__ import annotations
@@ -37,22 +38,26 @@ def main() -> None:
     if not hasattr(model, "use_decode_program"):
         raise SystemExit(f"{type(model).__name__} has no decode program (the Llama family's models have one)")
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    settings = {"forward": (False, False), "python program": (True, False), "C++ program": (True, True)}
     for batch in batches:
         prompts = [{"prompt_token_ids": list(range(100 + i, 132 + i))} for i in range(batch)]
-        times: dict[str, list[float]] = {"forward": [], "program": []}
+        times: dict[str, list[float]] = {name: [] for name in settings}
         tokens: dict[str, list] = {}
         for round_ in range(args.rounds):
-            for name in times if round_ % 2 == 0 else reversed(times):
-                model.use_decode_program = name == "program"
+            for name in settings if round_ % 2 == 0 else reversed(settings):
+                model.use_decode_program, model.use_native_decode = settings[name]
                 start = time.perf_counter()
                 outputs = llm.generate(prompts, params, use_tqdm=False)
                 times[name].append((time.perf_counter() - start) / args.tokens * 1e3)
                 tokens[name] = [o.outputs[0].token_ids for o in outputs]
-        model.use_decode_program = True
-        medians = {name: statistics.median(v) for name, v in times.items()}
-        ratio = statistics.median(f / p for f, p in zip(times["forward"], times["program"]))
-        print(f"batch {batch}: ms per step (median of {args.rounds}) forward {medians['forward']:.2f}, program "
-              f"{medians['program']:.2f} (rounds' ratio {ratio:.3f}x); same tokens: {tokens['forward'] == tokens['program']}", flush=True)
+        model.use_decode_program, model.use_native_decode = True, True
+        if model.native_decode is None:
+            print("(this model has no C++ decode program: its row is the Python one)")
+        report = ", ".join(f"{name} {statistics.median(v):.2f}"
+                           + ("" if name == "forward" else f" ({statistics.median(f / x for f, x in zip(times['forward'], v)):.3f}x)")
+                           for name, v in times.items())
+        same = all(t == tokens["forward"] for t in tokens.values())
+        print(f"batch {batch}: ms per step (median of {args.rounds}; rounds' ratio to forward) {report}; same tokens: {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,20 +18,34 @@ from tokenmill.layers.kv_quant import KVScales
 
 pytestmark = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="tokenmill's CPU kernels are not built here")
 
+# (tiny model, LLM options, whether the C++ decode program takes its batches: not with q/k norms (Qwen3) or
+# w8a8, whose layers have no single kernel op).
 CASES = {
-    "llama_gqa": ("llama_gqa", {}),
-    "llama_mqa_tied bf16": ("llama_mqa_tied", {"dtype": "bfloat16"}),
-    "llama_bias": ("llama_bias", {}),
-    "mistral_swa": ("mistral_swa", {}),
-    "qwen2_mixed_swa": ("qwen2_mixed_swa", {}),
-    "qwen3": ("qwen3", {}),
-    "int8": ("llama_gqa", {"quantization": "int8"}),
-    "int4 g32": ("llama_gqa", {"quantization": "int4", "quantization_options": {"group_size": 32}}),
-    "w8a8": ("llama_gqa", {"quantization": "w8a8"}),
-    "kv int8": ("llama_gqa", {"kv_cache_dtype": "int8"}),
-    "kv fp8": ("llama_gqa", {"kv_cache_dtype": "fp8"}),
-    "ngram drafts": ("llama_gqa", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}),
+    "llama_gqa": ("llama_gqa", {}, True),
+    "llama_mqa_tied bf16": ("llama_mqa_tied", {"dtype": "bfloat16"}, True),
+    "llama_bias": ("llama_bias", {}, True),
+    "mistral_swa": ("mistral_swa", {}, True),
+    "qwen2_mixed_swa": ("qwen2_mixed_swa", {}, True),
+    "qwen3": ("qwen3", {}, False),
+    "int8": ("llama_gqa", {"quantization": "int8"}, True),
+    "int4 g32": ("llama_gqa", {"quantization": "int4", "quantization_options": {"group_size": 32}}, True),
+    "int4 g32 bf16": ("llama_gqa", {"quantization": "int4", "quantization_options": {"group_size": 32}, "dtype": "bfloat16"}, True),
+    "w8a8": ("llama_gqa", {"quantization": "w8a8"}, False),
+    "kv int8": ("llama_gqa", {"kv_cache_dtype": "int8"}, True),
+    "kv fp8": ("llama_gqa", {"kv_cache_dtype": "fp8"}, True),
+    "ngram drafts": ("llama_gqa", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}, True),
 }
+
+
+class _CountedRuns:
+    """A C++ decode program's stand-in that counts its runs."""
+
+    def __init__(self, program) -> None:
+        self.program, self.runs = program, 0
+
+    def run(self, *args):
+        self.runs += 1
+        return self.program.run(*args)
 
 
 def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
@@ -40,22 +54,34 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def _assert_program_computes_what_forward_does(llm: LLM) -> None:
+def _assert_program_computes_what_forward_does(llm: LLM, native: bool) -> None:
+    """The C++ decode program (where native), the Python one and the layers' forward give the same tokens and
+    logprobs, and plain decode batches take the programs."""
     model = llm.llm_engine.executor.driver_runner.model.model
     # Repeating prompts, so n-gram lookup finds drafts; three requests, so decode batches have several rows. No
     # prefix caching: the second run computes its prompts as the first did.
     prompts = [p * 3 for p in random_prompts([1, 5, 7], seed=3)]
     with_program = _run(llm, prompts)
     assert model.decode_program is not None, "plain decode batches did not take the decode program"
+    assert (model.native_decode is not None) == native
+    if native:
+        counted = model.native_decode.program = _CountedRuns(model.native_decode.program)
+        assert _run(llm, prompts) == with_program
+        assert counted.runs > 0, "plain decode batches did not take the C++ decode program"
+        model.use_native_decode = False
+        runs = counted.runs
+        assert _run(llm, prompts) == with_program  # the Python decode program
+        assert counted.runs == runs
     model.use_decode_program = False
     assert _run(llm, prompts) == with_program
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_decode_program_computes_what_forward_does(case, tiny_model_factory):
-    name, options = CASES[case]
+    name, options, native = CASES[case]
     _assert_program_computes_what_forward_does(
-        LLM(model=tiny_model_factory(name), **{"dtype": "float32", "block_size": 4, "num_kv_blocks": 256, "enable_prefix_caching": False, **options}))
+        LLM(model=tiny_model_factory(name), **{"dtype": "float32", "block_size": 4, "num_kv_blocks": 256, "enable_prefix_caching": False, **options}),
+        native)
 
 
 def test_decode_program_on_packed_gguf(tiny_model_factory, tmp_path, monkeypatch):
@@ -63,7 +89,7 @@ def test_decode_program_on_packed_gguf(tiny_model_factory, tmp_path, monkeypatch
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(tiny_model_factory("llama_gqa"), tmp_path / "mixed.gguf", quant=mixed_type)
     _assert_program_computes_what_forward_does(LLM(str(path), quantization="gguf", dtype="float32", skip_tokenizer_init=True,
-                                                   block_size=4, num_kv_blocks=256, enable_prefix_caching=False))
+                                                   block_size=4, num_kv_blocks=256, enable_prefix_caching=False), native=False)
 
 
 def test_decode_program_off_by_environment(tiny_model_factory, monkeypatch):
@@ -72,6 +98,16 @@ def test_decode_program_off_by_environment(tiny_model_factory, monkeypatch):
     llm = LLM(model=tiny_model_factory("llama_gqa"), dtype="float32", num_kv_blocks=64)
     _run(llm, random_prompts([5], seed=4))
     assert llm.llm_engine.executor.driver_runner.model.model.decode_program is None
+
+
+def test_native_decode_program_off_by_environment(tiny_model_factory, monkeypatch):
+    """TOKENMILL_DECODE_PROGRAM=python: the Python decode program, not the C++ one."""
+    monkeypatch.setenv("TOKENMILL_DECODE_PROGRAM", "python")
+    llm = LLM(model=tiny_model_factory("llama_gqa"), dtype="float32", num_kv_blocks=64)
+    model = llm.llm_engine.executor.driver_runner.model.model
+    assert not model.use_native_decode
+    _run(llm, random_prompts([5], seed=4))
+    assert model.decode_program is not None
 
 
 @pytest.mark.parametrize("window", [0, 5])

@@ -43,7 +43,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent / "cpu"
-_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "sampling.cpp", "pointwise.cpp", "int8_gemm.cpp", "gguf_linear.cpp", "decode_linear.cpp")]
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "sampling.cpp", "pointwise.cpp", "int8_gemm.cpp", "gguf_linear.cpp", "decode_linear.cpp", "decode_program.cpp")]
 _HEADERS = [_DIR / name for name in ("vec.h", "quant_rows.h")]
 # -ffp-contract=off: no fused multiply-adds the source does not write, so the pointwise ops round as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]

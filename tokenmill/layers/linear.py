@@ -27,6 +27,7 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.build_context import ModelBuildContext
+from tokenmill.layers.quantization.base import KernelCall
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -173,6 +174,10 @@ class Linear(nn.Module):
         """forward for 2-D contiguous rows with the weights bound once (a model's decode program)."""
         return self.method.bound_apply(self, self.bias)
 
+    def decode_kernel(self, dtype: torch.dtype) -> KernelCall | None:
+        """decode_call's one kernel op for rows of x in dtype, for the C++ decode program; None: it has none."""
+        return self.method.decode_kernel(self, self.bias, dtype)
+
 
 class ColumnParallelLinear(Linear):
     """Output channels split over the ranks: each shard (q/k/v, gate/up, or the whole) by the rank's slice."""
@@ -218,6 +223,9 @@ class RowParallelLinear(Linear):
 
     def decode_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
         return super().decode_call() if self.tp.size == 1 else self.forward  # the ranks' sum: forward's all-reduce
+
+    def decode_kernel(self, dtype: torch.dtype) -> KernelCall | None:
+        return super().decode_kernel(dtype) if self.tp.size == 1 else None
 
 
 class MergedLinear(ColumnParallelLinear):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,7 +20,18 @@ from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.weights import load_named_weights
 from tokenmill.layers.attention_metadata import AttentionGroup, BatchInputs
 
+# "0": every batch through the layers' forward; "python": the Python decode program only (no C++ one).
 DECODE_PROGRAM_ENV = "TOKENMILL_DECODE_PROGRAM"
+
+
+@dataclass
+class NativeDecodeProgram:
+    """The C++ decode program (kernels/cpu/decode_program.cpp) with what decides when it runs: batches of up
+    to max_rows rows, while the caches it holds are the layers' (the runner binds them once)."""
+
+    program: torch.ScriptObject
+    max_rows: int
+    k_cache: torch.Tensor  # layer 0's, as registered
 
 
 def sliding_window_for_layer(config, layer_idx: int) -> int | None:
@@ -141,6 +153,30 @@ class LlamaDecoderLayer(nn.Module):
 
         return step
 
+    def add_to_native_program(self, program: torch.ScriptObject, dtype: torch.dtype) -> int | None:
+        """Registers this layer's plain_decode_step (its q/k-norm-free path) with the C++ decode program for
+        activations in dtype: returns the rows up to which its kernels are that step's, or None (nothing
+        registered) where a linear layer has no single kernel op or the attention normalizes q and k."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.q_norm is not None:
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        calls = [linear.decode_kernel(dtype) for linear in linears]
+        if any(call is None for call in calls):
+            return None
+        indices = []
+        for call in calls:
+            tensors = [a for a in call.args if isinstance(a, torch.Tensor)]
+            ints = [a for a in call.args if isinstance(a, int)]
+            pattern = "".join("T" if isinstance(a, torch.Tensor) else "I" if isinstance(a, int) else "N" for a in call.args)
+            indices.append(program.add_linear(call.op, tensors, ints, pattern))
+        attention, scales = attn.attn, attn.attn.kv_scales
+        program.add_layer(self.input_layernorm.weight, self.input_layernorm.eps, self.post_attention_layernorm.weight,
+                          self.post_attention_layernorm.eps, *indices, attention.num_heads, attention.num_kv_heads, attention.k_cache,
+                          attention.v_cache, None if scales is None else scales.k, None if scales is None else scales.v,
+                          attention.sliding_window or 0, attention.scale)
+        return min((call.max_rows for call in calls if call.max_rows is not None), default=1 << 30)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, ctx: ModelBuildContext, prefix: str = "model") -> None:
@@ -156,7 +192,9 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, head_dim, ctx.max_position or config.max_position_embeddings, ctx.rope_freq_factors)
         # See forward; TOKENMILL_DECODE_PROGRAM=0 runs every batch through the layers' forward (to measure the program).
         self.use_decode_program = os.environ.get(DECODE_PROGRAM_ENV, "1") != "0"
+        self.use_native_decode = os.environ.get(DECODE_PROGRAM_ENV, "1") != "python"
         self.decode_program: list[Callable] | None = None
+        self.native_decode: NativeDecodeProgram | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -170,12 +208,30 @@ class LlamaModel(nn.Module):
             # attribute lookups and checks (benchmarks/decode_program.py).
             if self.decode_program is None:
                 self.decode_program = [layer.plain_decode_step() for layer in self.layers]
-            for step in self.decode_program:
-                hidden, residual = step(hidden, residual, cos, sin, batch, group)
+                self.native_decode = self._native_decode_program(hidden.dtype)
+            native = self.native_decode
+            if (native is not None and self.use_native_decode and hidden.shape[0] <= native.max_rows
+                    and self.layers[0].self_attn.attn.k_cache is native.k_cache):
+                # All layers in one call: the same ops in the same order, without Python between them.
+                token_rows, query_pos = group.decode_rows_and_positions()
+                hidden, residual = native.program.run(hidden, None, cos, sin, batch.slot_mapping, token_rows, group.block_table, query_pos)
+            else:
+                for step in self.decode_program:
+                    hidden, residual = step(hidden, residual, cos, sin, batch, group)
         else:
             for layer in self.layers:
                 hidden, residual = layer.forward(hidden, residual, cos, sin, batch)  # (forward: see LlamaAttention)
         return self.norm(hidden, residual)[0]
+
+
+    def _native_decode_program(self, dtype: torch.dtype) -> NativeDecodeProgram | None:
+        """The C++ decode program of every layer, or None where a layer cannot be in it (see
+        LlamaDecoderLayer.add_to_native_program)."""
+        program = torch.classes.tokenmill_cpu.DecodeProgram()
+        max_rows = [layer.add_to_native_program(program, dtype) for layer in self.layers]
+        if any(rows is None for rows in max_rows):
+            return None
+        return NativeDecodeProgram(program, min(max_rows), self.layers[0].self_attn.attn.k_cache)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 WeightLoader = Callable[..., None]  # (param, loaded tensor, shard_id=None) -> None
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """A linear layer's decode kernel as the C++ decode program calls it (kernels/cpu/decode_program.cpp):
+    torch.ops.<op>(x, *args), the bias among args, for up to max_rows rows of x (None: any number)."""
+
+    op: str  # the op's qualified name, "tokenmill_cpu::int4_linear"
+    args: tuple  # tensors, ints and Nones, in the op's order after x
+    max_rows: int | None
 
 
 class LinearMethodBase:
@@ -29,6 +40,11 @@ class LinearMethodBase:
         2-D contiguous rows, any number of them. Methods whose kernels take their weights as arguments
         bind them here, so a call skips the lookups and checks of the general path."""
         return lambda x: self.apply(layer, x, bias)
+
+    def decode_kernel(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
+        """The one op bound_apply calls for rows of x in dtype, for the C++ decode program; None where it calls
+        something else (Python, several ops), which keeps the layer's model on the Python decode program."""
+        return None
 
 
 class EmbeddingMethodBase:

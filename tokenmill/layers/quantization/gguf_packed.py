@@ -33,9 +33,17 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels import cpu as cpu_kernels
-from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
+from tokenmill.layers.quantization.base import EmbeddingMethodBase, KernelCall, LinearMethodBase, QuantizationConfig, WeightLoader
 from tokenmill.layers.quantization.unquantized import is_lm_head
-from tokenmill.layers.quantization.weight_only import bound_linear_call, int4_linear_call, int4_tiles, int8_group_linear_call, int8_group_tiles, quantized_linear
+from tokenmill.layers.quantization.weight_only import (
+    bound_linear_call,
+    int4_linear_call,
+    int4_tiles,
+    int8_group_linear_call,
+    int8_group_tiles,
+    linear_call_kernel,
+    quantized_linear,
+)
 
 # GGML type ids (gguf.GGMLQuantizationType) computed packed, with (values, bytes) per block.
 BLOCKS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
@@ -237,6 +245,12 @@ class GGUFLinearMethod(LinearMethodBase):
         if len(segments) == 1 and isinstance(segments[0], TiledSegment):
             return bound_linear_call(segments[0].linear_call, bias)
         return super().bound_apply(layer, bias)
+
+    def decode_kernel(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
+        segments = layer.gguf_segments
+        if len(segments) == 1 and isinstance(segments[0], TiledSegment):
+            return linear_call_kernel(segments[0].linear_call, bias, dtype)
+        return None
 
 
 class GGUFEmbeddingMethod(EmbeddingMethodBase):

@@ -21,7 +21,7 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.quantization import quant_utils
-from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
+from tokenmill.layers.quantization.base import EmbeddingMethodBase, KernelCall, LinearMethodBase, QuantizationConfig, WeightLoader
 from tokenmill.layers.quantization.unquantized import UnquantizedConfig
 from tokenmill.layers.quantization.weight_only import Int4LinearMethod, int8_linear, store_int4, store_int8
 
@@ -142,6 +142,11 @@ class PackedInt4Method(Int4LinearMethod):
         if getattr(layer, "input_perm", None) is not None:  # apply's permutation of x first
             return lambda x: self.apply(layer, x, bias)
         return super().bound_apply(layer, bias)
+
+    def decode_kernel(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
+        if getattr(layer, "input_perm", None) is not None:  # the permutation is a second op
+            return None
+        return super().decode_kernel(layer, bias, dtype)
 
 
 class PackedInt8Method(LinearMethodBase):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import cpu as cpu_kernels
-from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, WeightLoader
+from tokenmill.layers.quantization.base import EmbeddingMethodBase, KernelCall, LinearMethodBase, QuantizationConfig, WeightLoader
 
 
 def cpu_packed_weights_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -85,6 +85,12 @@ class PackedCPUWeight:
 
         return call
 
+    def decode_kernel(self, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
+        """bound(bias)'s dense_linear call for rows of x in dtype (LinearMethodBase.decode_kernel)."""
+        if self.decode_packed is None or dtype != self.decode_packed.dtype:
+            return None
+        return KernelCall("tokenmill_cpu::dense_linear", (self.decode_packed, self.out_features, bias), self.decode_max_rows)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # A decode step's rows come 2-D and contiguous: then no reshape, pad or slice (each a dispatch of
         # ~1 us, at 121 calls a token on SmolLM2).
@@ -146,6 +152,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if self.prepack:
             return layer.packed_weight.bound(bias)
         return super().bound_apply(layer, bias)
+
+    def decode_kernel(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
+        return layer.packed_weight.decode_kernel(bias, dtype) if self.prepack else None
 
 
 class UnquantizedEmbeddingMethod(EmbeddingMethodBase):

@@ -24,6 +24,7 @@ from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.quantization import quant_utils
 from tokenmill.layers.quantization.base import (
     EmbeddingMethodBase,
+    KernelCall,
     LinearMethodBase,
     QuantizationConfig,
     WeightLoader,
@@ -136,6 +137,10 @@ class KernelLinear:
 
         return call
 
+    def decode_kernel(self, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall:
+        """bound(bias)'s op call for rows of x in dtype (LinearMethodBase.decode_kernel)."""
+        return KernelCall(self.op.name(), (*self.weights, bias), None if dtype in self.any_rows_dtypes else KERNEL_MAX_ROWS)
+
 
 def bound_linear_call(call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
                       bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -143,6 +148,11 @@ def bound_linear_call(call: Callable[[torch.Tensor, torch.Tensor | None], torch.
     if isinstance(call, KernelLinear):
         return call.bound(bias)
     return lambda x: call(x, bias)
+
+
+def linear_call_kernel(call: Callable, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
+    """decode_kernel of a layer whose apply is a linear_call (x, bias): a KernelLinear's op, else None."""
+    return call.decode_kernel(bias, dtype) if isinstance(call, KernelLinear) else None
 
 
 def int8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -232,6 +242,9 @@ class Int8LinearMethod(LinearMethodBase):
     def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
         return bound_linear_call(layer.linear_call, bias)
 
+    def decode_kernel(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
+        return linear_call_kernel(layer.linear_call, bias, dtype)
+
 
 class Int4LinearMethod(LinearMethodBase):
     """Group-wise int4. A layer whose input size is no multiple of 32 (the packed block) is int8."""
@@ -260,6 +273,9 @@ class Int4LinearMethod(LinearMethodBase):
 
     def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
         return bound_linear_call(layer.linear_call, bias)
+
+    def decode_kernel(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
+        return linear_call_kernel(layer.linear_call, bias, dtype)
 
 
 class Int8LMHeadMethod(UnquantizedEmbeddingMethod):
