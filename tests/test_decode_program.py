@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QT
 
 from conftest import random_prompts
 from test_gguf_quantization import mixed_type
@@ -84,12 +85,14 @@ def test_decode_program_computes_what_forward_does(case, tiny_model_factory):
         native)
 
 
-def test_decode_program_on_packed_gguf(tiny_model_factory, tmp_path, monkeypatch):
-    """A GGUF kept packed (Q4_0 / Q4_1 / Q8_0 tiles; a fused QKV of two types keeps two parts, on the general path)."""
+@pytest.mark.parametrize("quant,native", [(mixed_type, False), (QT.Q8_0, True)], ids=["mixed", "Q8_0"])
+def test_decode_program_on_packed_gguf(quant, native, tiny_model_factory, tmp_path, monkeypatch):
+    """A GGUF kept packed: Q4_0 / Q4_1 / Q8_0 tiles, where a fused QKV of two types keeps two parts (the general
+    path, so the Python program only); all Q8_0, every layer one tiled kernel (the C++ program too)."""
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_gguf(tiny_model_factory("llama_gqa"), tmp_path / "mixed.gguf", quant=mixed_type)
+    path = write_gguf(tiny_model_factory("llama_gqa"), tmp_path / "packed.gguf", quant=quant)
     _assert_program_computes_what_forward_does(LLM(str(path), quantization="gguf", dtype="float32", skip_tokenizer_init=True,
-                                                   block_size=4, num_kv_blocks=256, enable_prefix_caching=False), native=False)
+                                                   block_size=4, num_kv_blocks=256, enable_prefix_caching=False), native=native)
 
 
 def test_decode_program_off_by_environment(tiny_model_factory, monkeypatch):

@@ -190,7 +190,8 @@ class LlamaModel(nn.Module):
         head_dim = self.layers[0].self_attn.head_dim
         # One rotary table for all layers; cos/sin are gathered once per forward.
         self.rotary_emb = RotaryEmbedding(config, head_dim, ctx.max_position or config.max_position_embeddings, ctx.rope_freq_factors)
-        # See forward; TOKENMILL_DECODE_PROGRAM=0 runs every batch through the layers' forward (to measure the program).
+        # See forward; TOKENMILL_DECODE_PROGRAM=0 runs every batch through the layers' forward, =python keeps the
+        # C++ program off (to measure the programs).
         self.use_decode_program = os.environ.get(DECODE_PROGRAM_ENV, "1") != "0"
         self.use_native_decode = os.environ.get(DECODE_PROGRAM_ENV, "1") != "python"
         self.decode_program: list[Callable] | None = None
@@ -222,7 +223,6 @@ class LlamaModel(nn.Module):
             for layer in self.layers:
                 hidden, residual = layer.forward(hidden, residual, cos, sin, batch)  # (forward: see LlamaAttention)
         return self.norm(hidden, residual)[0]
-
 
     def _native_decode_program(self, dtype: torch.dtype) -> NativeDecodeProgram | None:
         """The C++ decode program of every layer, or None where a layer cannot be in it (see

@@ -241,16 +241,18 @@ class GGUFLinearMethod(LinearMethodBase):
         return y if bias is None else y + bias
 
     def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-        segments = layer.gguf_segments
-        if len(segments) == 1 and isinstance(segments[0], TiledSegment):
-            return bound_linear_call(segments[0].linear_call, bias)
-        return super().bound_apply(layer, bias)
+        call = _whole_tiled_call(layer)
+        return super().bound_apply(layer, bias) if call is None else bound_linear_call(call, bias)
 
     def decode_kernel(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
-        segments = layer.gguf_segments
-        if len(segments) == 1 and isinstance(segments[0], TiledSegment):
-            return linear_call_kernel(segments[0].linear_call, bias, dtype)
-        return None
+        call = _whole_tiled_call(layer)
+        return None if call is None else linear_call_kernel(call, bias, dtype)
+
+
+def _whole_tiled_call(layer: nn.Module) -> Callable | None:
+    """The linear_call of a layer held as one TiledSegment (its kernel's op with the weights bound), else None."""
+    segments = layer.gguf_segments
+    return segments[0].linear_call if len(segments) == 1 and isinstance(segments[0], TiledSegment) else None
 
 
 class GGUFEmbeddingMethod(EmbeddingMethodBase):
