@@ -19,8 +19,7 @@ from tokenmill.layers.kv_quant import KVScales
 
 pytestmark = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="tokenmill's CPU kernels are not built here")
 
-# (tiny model, LLM options, whether the C++ decode program takes its batches: not with q/k norms (Qwen3) or
-# w8a8, whose layers have no single kernel op).
+# (tiny model, LLM options, whether the C++ decode program takes its batches: not with q/k norms (Qwen3)).
 CASES = {
     "llama_gqa": ("llama_gqa", {}, True),
     "llama_mqa_tied bf16": ("llama_mqa_tied", {"dtype": "bfloat16"}, True),
@@ -31,7 +30,7 @@ CASES = {
     "int8": ("llama_gqa", {"quantization": "int8"}, True),
     "int4 g32": ("llama_gqa", {"quantization": "int4", "quantization_options": {"group_size": 32}}, True),
     "int4 g32 bf16": ("llama_gqa", {"quantization": "int4", "quantization_options": {"group_size": 32}, "dtype": "bfloat16"}, True),
-    "w8a8": ("llama_gqa", {"quantization": "w8a8"}, False),
+    "w8a8": ("llama_gqa", {"quantization": "w8a8"}, True),
     "kv int8": ("llama_gqa", {"kv_cache_dtype": "int8"}, True),
     "kv fp8": ("llama_gqa", {"kv_cache_dtype": "fp8"}, True),
     "ngram drafts": ("llama_gqa", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}, True),

@@ -41,6 +41,7 @@ from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.quantization import quant_utils
 from tokenmill.layers.quantization.base import (
     EmbeddingMethodBase,
+    KernelCall,
     LinearMethodBase,
     QuantizationConfig,
     WeightLoader,
@@ -113,6 +114,12 @@ class W8A8LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return w8a8_apply(layer, x, bias, self.group_size)
+
+    def decode_kernel(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
+        if not hasattr(layer, "packed_weight"):  # the PyTorch reference: no kernel op
+            return None
+        return KernelCall("tokenmill_cpu::w8a8_linear", (layer.packed_weight, layer.weight_colsum, layer.weight_scale, bias, self.group_size),
+                          None)
 
 
 def w8a8_apply(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
