@@ -102,6 +102,18 @@ def test_decode_program_off_by_environment(tiny_model_factory, monkeypatch):
     assert llm.llm_engine.executor.driver_runner.model.model.decode_program is None
 
 
+def test_native_decode_program_follows_new_caches(tiny_model_factory):
+    """Caches bound anew after the C++ program was built (it holds the old ones): it is built again on them."""
+    llm = LLM(model=tiny_model_factory("llama_gqa"), dtype="float32", block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
+    model = llm.llm_engine.executor.driver_runner.model.model
+    prompts = random_prompts([5, 7], seed=5)
+    want = _run(llm, prompts)
+    first = model.native_decode
+    llm.llm_engine.executor.driver_runner.allocate_kv_cache(64)
+    assert _run(llm, prompts) == want
+    assert model.native_decode is not first and model.native_decode.k_cache is model.layers[0].self_attn.attn.k_cache
+
+
 def test_native_decode_program_off_by_environment(tiny_model_factory, monkeypatch):
     """TOKENMILL_DECODE_PROGRAM=python: the Python decode program, not the C++ one."""
     monkeypatch.setenv("TOKENMILL_DECODE_PROGRAM", "python")

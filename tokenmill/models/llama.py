@@ -27,7 +27,7 @@ DECODE_PROGRAM_ENV = "TOKENMILL_DECODE_PROGRAM"
 @dataclass
 class NativeDecodeProgram:
     """The C++ decode program (kernels/cpu/decode_program.cpp) with what decides when it runs: batches of up
-    to max_rows rows, while the caches it holds are the layers' (the runner binds them once)."""
+    to max_rows rows; built again if the runner binds other caches than those it holds."""
 
     program: torch.ScriptObject
     max_rows: int
@@ -211,8 +211,9 @@ class LlamaModel(nn.Module):
                 self.decode_program = [layer.plain_decode_step() for layer in self.layers]
                 self.native_decode = self._native_decode_program(hidden.dtype)
             native = self.native_decode
-            if (native is not None and self.use_native_decode and hidden.shape[0] <= native.max_rows
-                    and self.layers[0].self_attn.attn.k_cache is native.k_cache):
+            if native is not None and native.k_cache is not self.layers[0].self_attn.attn.k_cache:
+                native = self.native_decode = self._native_decode_program(hidden.dtype)  # the runner bound new caches
+            if native is not None and self.use_native_decode and hidden.shape[0] <= native.max_rows:
                 # All layers in one call: the same ops in the same order, without Python between them.
                 token_rows, query_pos = group.decode_rows_and_positions()
                 hidden, residual = native.program.run(hidden, None, cos, sin, batch.slot_mapping, token_rows, group.block_table, query_pos)
