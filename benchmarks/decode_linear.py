@@ -36,6 +36,11 @@ def main() -> None:
 
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(int(b) for b in args.batches.split(",")))
     model = llm.llm_engine.executor.worker.runner.model
+    # The C++ decode program holds the dense_linear copies it was built with; the Python one reads them per
+    # call, so taking a copy away below reaches it.
+    decoder = getattr(model, "model", None)
+    if hasattr(decoder, "use_native_decode"):
+        decoder.use_native_decode = False
     packed = [w for m in model.modules() if isinstance(w := getattr(m, "packed_weight", None), PackedCPUWeight)]
     copies = [w.decode_packed for w in packed]
     print(f"dtype {next(model.parameters()).dtype}: {len(packed)} prepacked weights, "

@@ -216,7 +216,7 @@ class LlamaModel(nn.Module):
             if native is not None and self.use_native_decode and hidden.shape[0] <= native.max_rows:
                 # All layers in one call: the same ops in the same order, without Python between them.
                 token_rows, query_pos = group.decode_rows_and_positions()
-                hidden, residual = native.program.run(hidden, None, cos, sin, batch.slot_mapping, token_rows, group.block_table, query_pos)
+                hidden, residual = native.program.run(hidden, cos, sin, batch.slot_mapping, token_rows, group.block_table, query_pos)
             else:
                 for step in self.decode_program:
                     hidden, residual = step(hidden, residual, cos, sin, batch, group)
@@ -228,11 +228,13 @@ class LlamaModel(nn.Module):
     def _native_decode_program(self, dtype: torch.dtype) -> NativeDecodeProgram | None:
         """The C++ decode program of every layer, or None where a layer cannot be in it (see
         LlamaDecoderLayer.add_to_native_program)."""
-        program = torch.classes.tokenmill_cpu.DecodeProgram()
-        max_rows = [layer.add_to_native_program(program, dtype) for layer in self.layers]
-        if any(rows is None for rows in max_rows):
-            return None
-        return NativeDecodeProgram(program, min(max_rows), self.layers[0].self_attn.attn.k_cache)
+        program, max_rows = torch.classes.tokenmill_cpu.DecodeProgram(), 1 << 30
+        for layer in self.layers:
+            rows = layer.add_to_native_program(program, dtype)
+            if rows is None:
+                return None
+            max_rows = min(max_rows, rows)
+        return NativeDecodeProgram(program, max_rows, self.layers[0].self_attn.attn.k_cache)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -106,21 +106,16 @@ struct DecodeProgram : torch::CustomClassHolder {
                       v_scale, window, scale});
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
-
-  // (hidden, residual) -> the same after every layer, as the layers' Python steps (residual None: the
-  // first layer's input is the residual stream itself).
-  std::tuple<Tensor, Tensor> run(Tensor hidden, OptTensor residual_in, const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping,
-                                 const Tensor& token_rows, const Tensor& block_table, const Tensor& positions) {
+  // The embeddings -> (the last layer's output, the residual stream before it), as the layers' Python steps
+  // (the first layer's input is the residual stream itself).
+  std::tuple<Tensor, Tensor> run(Tensor hidden, const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping, const Tensor& token_rows,
+                                 const Tensor& block_table, const Tensor& positions) {
     Tensor residual;
-    bool first = !residual_in.has_value();
-    if (!first) residual = *residual_in;
     for (Layer& layer : layers) {
       Tensor x;
-      if (first) {
+      if (!residual.defined()) {
         residual = hidden;
         x = rms_norm.call(hidden, layer.norm_1, layer.eps_1);
-        first = false;
       } else {
         x = add_rms_norm.call(residual, hidden, layer.norm_1, layer.eps_1);
       }
@@ -141,6 +136,5 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
       .def(torch::init<>())
       .def("add_linear", &DecodeProgram::add_linear)
       .def("add_layer", &DecodeProgram::add_layer)
-      .def("num_layers", &DecodeProgram::num_layers)
       .def("run", &DecodeProgram::run);
 }

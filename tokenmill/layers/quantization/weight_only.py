@@ -228,16 +228,12 @@ def _int4_rows(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], 
     return quantized_linear(x, bias, lambda rows: kernel(rows, *quantized, out_features, bias), dequantized, max_rows)
 
 
-class Int8LinearMethod(LinearMethodBase):
-    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
-        layer.weight = float_weight_to_quantize((sum(output_sizes), input_size), weight_loader)
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        _store_int8(layer)
-        free_parameter(layer.weight)
+class LinearCallMethod(LinearMethodBase):
+    """A method whose layers compute through the linear_call (x, bias) that store_int8 / store_int4 set on
+    them: apply, the decode program's bound call and its kernel op all come from it."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int8_linear(layer, x, bias)
+        return layer.linear_call(x, bias)
 
     def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
         return bound_linear_call(layer.linear_call, bias)
@@ -246,7 +242,16 @@ class Int8LinearMethod(LinearMethodBase):
         return linear_call_kernel(layer.linear_call, bias, dtype)
 
 
-class Int4LinearMethod(LinearMethodBase):
+class Int8LinearMethod(LinearCallMethod):
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], weight_loader: WeightLoader) -> None:
+        layer.weight = float_weight_to_quantize((sum(output_sizes), input_size), weight_loader)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        _store_int8(layer)
+        free_parameter(layer.weight)
+
+
+class Int4LinearMethod(LinearCallMethod):
     """Group-wise int4. A layer whose input size is no multiple of 32 (the packed block) is int8."""
 
     def __init__(self, group_size: int, symmetric: bool) -> None:
@@ -267,15 +272,6 @@ class Int4LinearMethod(LinearMethodBase):
         else:
             store_int4(layer, *quant_utils.quantize_int4(layer.weight.data, self.group_size, self.symmetric), self.group_size)
         free_parameter(layer.weight)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return layer.linear_call(x, bias)  # store_int4's, or store_int8's for an int8 layer
-
-    def bound_apply(self, layer: nn.Module, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-        return bound_linear_call(layer.linear_call, bias)
-
-    def decode_kernel(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
-        return linear_call_kernel(layer.linear_call, bias, dtype)
 
 
 class Int8LMHeadMethod(UnquantizedEmbeddingMethod):
