@@ -147,3 +147,24 @@ def test_an_engine_prefaulting_computes_the_same(tiny_model_factory):
             assert llm.llm_engine.executor.driver_runner.kv_prefault.wait(60)
             outputs.append([o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)])
     assert outputs[0] == outputs[1]
+
+
+def test_tune_malloc_keeps_freed_buffers_mapped():
+    """A freed buffer under the mmap threshold is reused without faulting its pages in again (the trim
+    threshold once reached mallopt as 0, a C int cut from 1 << 40, and every free gave the pages back)."""
+    import resource
+
+    from tokenmill.worker.cpu_memory import tune_malloc
+
+    tune_malloc()
+
+    def faults_of_a_12_mb_buffer() -> int:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        buffer = torch.empty(3 << 20)
+        buffer.fill_(1.0)
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        del buffer
+        return faults
+
+    faults_of_a_12_mb_buffer()
+    assert faults_of_a_12_mb_buffer() < 300  # 3,072 pages of 4 KB when the heap is trimmed

@@ -4,7 +4,7 @@ A fresh page costs a fault and a zeroing on first touch, a few GB/s at best; a 2
 chunk wrote its K/V at 0.5 GB/s into never-touched cache pages, and every intermediate tensor over
 glibc's mmap threshold was mapped, faulted in and unmapped again on every layer.
 
-- tune_malloc: serve allocations up to 256 MB from the heap and never trim it, so freed activation
+- tune_malloc: serve allocations up to 256 MB from the heap and never trim it (below 2 GB free), so freed activation
   buffers are reused warm (vLLM's CPU backend asks for tcmalloc for the same reason; this needs no
   preload). 256 MB holds a 7B model's dequantized gate-up (a quantized layer's prompt path): at
   glibc's documented maximum of 32 MB, a 1B Llama's 67 MB one was mapped and faulted in on every
@@ -47,6 +47,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# mallopt's value is a C int: a larger Python int reaches it cut to its low 32 bits (1 << 40 became a
+# trim threshold of 0, which gave every freed buffer at the heap's top back to the kernel, and a
+# decode step of 64 requests faulted its 12 MB of logits in again, 3,000 page faults, 2.5 ms).
+_INT_MAX = 2**31 - 1
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
 _PAGE = 4096
@@ -69,7 +73,7 @@ def tune_malloc() -> None:
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return
-    ok = (libc.mallopt(_M_MMAP_THRESHOLD, 256 << 20) or libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 40)
+    ok = (libc.mallopt(_M_MMAP_THRESHOLD, 256 << 20) or libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX)
     if not ok:
         logger.debug("mallopt refused the CPU allocator settings")
 
