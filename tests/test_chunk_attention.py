@@ -98,16 +98,20 @@ def test_sliding_window(dtype, window):
     check(CHUNKS, 2, 3, 64, dtype, window=window, seed=window)
 
 
-@pytest.mark.parametrize("head_dim", [4, 24, 40])  # scalar everywhere; AVX2-only vectors; neither width divides
+# 4: scalar everywhere; 24: AVX2-only vectors; 40: neither width divides; 48: AVX-512 vectors, but no
+# whole 32-element bf16 pairs of vectors (float32 tiles); 96: bf16 pairs (with AVX512-BF16).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [4, 24, 40, 48, 96])
 @pytest.mark.parametrize("window", [None, 9])
-def test_other_head_sizes(head_dim, window):
-    check(CHUNKS, 2, 3, head_dim, torch.float32, window=window, seed=head_dim)
+def test_other_head_sizes(head_dim, window, dtype):
+    check(CHUNKS, 2, 3, head_dim, dtype, window=window, seed=head_dim)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows_per_task", [1, 5, 8, 17, 200])  # tiles of one position up to whole chunks
 @pytest.mark.parametrize("group", [1, 3, 9])
-def test_task_tiling(rows_per_task, group):
-    check([(0, 50), (33, 64), (7, 2)], 1, group, 64, torch.float32, rows_per_task=rows_per_task, seed=rows_per_task + group)
+def test_task_tiling(rows_per_task, group, dtype):
+    check([(0, 50), (33, 64), (7, 2)], 1, group, 64, dtype, rows_per_task=rows_per_task, seed=rows_per_task + group)
 
 
 @pytest.mark.parametrize("block", [1, 16, 32])
