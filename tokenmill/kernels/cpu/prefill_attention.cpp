@@ -55,7 +55,8 @@
 
 namespace {
 
-constexpr int64_t kKeyTile = 32;        // keys per tile (N)
+// Keys per tile (N): against 32, a 2,048-token bf16 prompt 8.9 -> 8.0 ms, float32 16.3 -> 15.3; 64 and 256 less.
+constexpr int64_t kKeyTile = 128;
 constexpr int64_t kRowsPerTask = 64;    // query rows (positions x G heads) per task by default
 // The cascade's prefix pass: more rows per walk over the prefix (64 requests of G = 3). 64 decodes over a
 // 1,024-token prefix, 4 KV heads (tiny100m), Zen 5, 2 threads, against 64 rows: bf16 411 -> 334 us,
