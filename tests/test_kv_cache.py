@@ -422,3 +422,64 @@ def test_share_blocks_refuses_free_and_null_blocks():
         pool.share_blocks([block])
     with pytest.raises(RuntimeError, match="cannot be shared"):
         pool.share_blocks([pool.null_block])
+
+
+# -- tables in consecutive blocks (reserved_blocks, the engine's RESERVED_BLOCKS) ---------------------
+
+
+def reserving_request(request_id: str, num_prompt_tokens: int, max_tokens: int) -> Request:
+    return Request(request_id=request_id, prompt_token_ids=list(range(num_prompt_tokens)),
+                   sampling_params=SamplingParams(max_tokens=max_tokens))
+
+
+def test_a_growing_table_takes_the_blocks_right_after_its_last():
+    pool = BlockPool(80)
+    manager = KVCacheManager(pool, block_size=4, reserved_blocks=64)
+    a, b = reserving_request("a", 8, 8), reserving_request("b", 8, 400)
+    assert grow(manager, a, 8)
+    assert manager.get_block_ids("a") == [1, 2]  # 3, 4 (a's 8 tokens to come) go to the back of the free list
+    assert free_ids(pool)[:2] == [5, 6] and free_ids(pool)[-2:] == [3, 4]
+    assert grow(manager, b, 8)
+    assert manager.get_block_ids("b") == [5, 6]  # 7 .. 70 go back: 100 blocks to come, at most 64
+    assert free_ids(pool)[:2] == [71, 72]
+    for _ in range(8):  # both decode: each grows into its own run
+        assert grow(manager, a, 1) and grow(manager, b, 1)
+    assert manager.get_block_ids("a") == [1, 2, 3, 4]
+    assert manager.get_block_ids("b") == [5, 6, 7, 8]
+    other = reserving_request("o", 4, 1)
+    assert grow(manager, other, 4)
+    assert manager.get_block_ids("o") == [73]  # after b's 64 reserved, 9 .. 72
+
+
+def test_reserved_blocks_are_only_an_order():
+    """A reservation keeps no block from anyone: once the front is used up, reserved blocks are handed out."""
+    pool = BlockPool(9)
+    manager = KVCacheManager(pool, block_size=4, reserved_blocks=64)
+    a = reserving_request("a", 4, 100)
+    assert grow(manager, a, 4)  # block 1; 2 .. 8 reserved for it
+    other = reserving_request("o", 28, 1)
+    assert grow(manager, other, 28)  # needs all 7
+    assert manager.get_block_ids("o") == [2, 3, 4, 5, 6, 7, 8]
+    assert not grow(manager, a, 1)
+    assert manager.get_block_ids("a") == [1]
+
+
+def test_a_table_skips_cached_blocks_to_stay_consecutive():
+    """The block after a table's last one is not taken if it holds a cached prefix: that would evict it."""
+    pool = BlockPool(12)
+    manager = KVCacheManager(pool, block_size=4, enable_prefix_caching=True)
+    a = reserving_request("a", 8, 1)
+    assert grow(manager, a, 8)  # 1, 2: cached
+    b = reserving_request("b", 8, 1)
+    b.prompt_token_ids[:] = b.all_token_ids[:] = [5] * 8
+    assert grow(manager, b, 8)  # 3, 4: cached
+    manager.free(b)
+    assert free_ids(pool) == [5, 6, 7, 8, 9, 10, 11, 4, 3]
+    manager.reserved_blocks = 64
+    c = reserving_request("c", 12, 8)  # a's prompt and 4 more: a hit on 1, 2, then a new block
+    hits = manager.get_computed_blocks(c)
+    assert [x.block_id for x in hits] == [1, 2]
+    assert manager.allocate_slots(c, 4, hits)
+    assert manager.get_block_ids("c") == [1, 2, 5]  # not b's cached 3
+    assert pool.blocks[3].block_hash is not None and pool.blocks[4].block_hash is not None
+    assert free_ids(pool)[-2:] == [6, 7]  # c's 8 tokens to come

@@ -296,8 +296,8 @@ def test_preemption_victim_is_last_admitted_and_resumes_with_recompute():
     assert sched.num_preemptions == 1
     assert list(sched.waiting) == [b] and sched.running == []
     assert b.output_token_ids == [501, 503]  # outputs are kept
-    # b's blocks were freed tail first and a took the first of them.
-    assert out.chunks[0].block_ids == [1, 2, 4]
+    # b's blocks were freed (tail first, 4 then 3) and a took 3, the one right after its table.
+    assert out.chunks[0].block_ids == [1, 2, 3]
     assert a.is_finished and finished == [a]  # max_tokens=3 reached
 
     # b resumes: prompt + outputs recomputed in one chunk, then the next token is sampled.

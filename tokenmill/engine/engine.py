@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from tokenmill.config import EngineConfig, resolve_device, resolve_dtype
-from tokenmill.engine.kv_cache import BlockPool, KVCacheManager
+from tokenmill.engine.kv_cache import RESERVED_BLOCKS, BlockPool, KVCacheManager
 from tokenmill.engine.logprobs import LogprobsProcessor, check_token_controls
 from tokenmill.engine.output_processor import CoreStep, OutputProcessor, SequenceUpdate
 from tokenmill.engine.beam_search import BeamSearchGroup, beam_sampling_params
@@ -93,7 +93,7 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        kv_cache = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching)
+        kv_cache = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching, RESERVED_BLOCKS)
         self.scheduler = Scheduler(sched, kv_cache)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._rng = random.Random(config.model.seed)

@@ -2,7 +2,9 @@
 
 BlockPool owns the blocks: a free list in LRU order (freed blocks go to the back, new
 allocations come from the front) and a ref count per block. KVCacheManager maps each
-request to its block table and grows it as the request's tokens are scheduled.
+request to its block table and grows it as the request's tokens are scheduled: into the
+blocks right after its last one where they are free (the engine keeps up to RESERVED_BLOCKS
+of them at the back of the free list for it), so that a table lies in consecutive blocks.
 Block 0 is the null block: never handed out, used to pad block tables.
 
 Automatic prefix caching (vLLM's scheme): every full block gets a hash that chains its
@@ -98,12 +100,15 @@ class BlockPool:
         """Blocks registered in the prefix cache, in use or free."""
         return len(self._cached)
 
-    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, n: int, after: int | None = None) -> list[KVCacheBlock]:
+        """n free blocks: with `after` (the last block of the table they extend), first the blocks
+        right after it while they are free and hold no cached prefix, then from the front (LRU)."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV blocks but only {len(self._free)} are free")
         out = []
-        for _ in range(n):
-            _, block = self._free.popitem(last=False)
+        following = [] if after is None else self._free_run(after, n, uncached_only=True)
+        for i in range(n):
+            block = self._free.pop(following[i]) if i < len(following) else self._free.popitem(last=False)[1]
             if block.block_hash is not None:  # evicted: its old contents are no longer reusable
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]
@@ -112,6 +117,23 @@ class BlockPool:
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def _free_run(self, block_id: int, limit: int, uncached_only: bool = False) -> list[int]:
+        """The ids of the free blocks right after block_id, up to limit, stopping at the first one that is not."""
+        run = []
+        for i in range(block_id + 1, min(block_id + 1 + limit, self.num_blocks)):
+            block = self._free.get(i)
+            if block is None or (uncached_only and block.block_hash is not None):
+                break
+            run.append(i)
+        return run
+
+    def reserve_after(self, block_id: int, count: int) -> None:
+        """Move the free blocks right after block_id (up to count) to the back of the free list, so that
+        other requests take them last and the table ending at block_id can grow into them. Only an
+        order: when the front runs out, they are handed out like any other."""
+        for i in self._free_run(block_id, count):
+            self._free.move_to_end(i)
 
     def get_cached_block(self, block_hash: int, key: BlockKey) -> KVCacheBlock | None:
         """The cached block with this hash, if it holds exactly `key` (else None: a miss, or a collision)."""
@@ -182,15 +204,27 @@ class BlockPool:
                 self._free[block.block_id] = block
 
 
+# Blocks kept for a request to grow into, at most (reserve_after). The decode attention kernel reads a
+# request's blocks one after the other: where they lie in sequence, the hardware prefetchers run ahead
+# of each block's end (SmolLM2's heads, 114 requests x 400 tokens, Zen 5: a layer 1.56 ms with blocks at
+# random places, 1.31 interleaved as decode growth handed them out, 1.00 in sequence). Without it,
+# workload B's tables went from 91% to 43% consecutive blocks over the run; with it they stay at 100%,
+# and B on tiny100m (bf16) ran 1.045x faster (1,252-1,257 -> 1,311-1,317 output tok/s, two runs each).
+RESERVED_BLOCKS = 64
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = False, reserved_blocks: int = 0) -> None:
+        """reserved_blocks: at most this many free blocks after a table's last one are kept for it to
+        grow into (BlockPool.reserve_after); the engine's is RESERVED_BLOCKS."""
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.reserved_blocks = reserved_blocks
         # Prefix-cache counters, in tokens, as vLLM's metrics count them: prompt tokens looked up, and found cached.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -338,13 +372,20 @@ class KVCacheManager:
                 released.append(blocks[index])
                 blocks[index] = fresh
             self.pool.free_blocks(released)
+        blocks = self.req_to_blocks.setdefault(rid, [])
         if need:
-            self.req_to_blocks.setdefault(rid, []).extend(self.pool.get_new_blocks(need))
-        else:
-            self.req_to_blocks.setdefault(rid, [])
+            blocks.extend(self.pool.get_new_blocks(need, blocks[-1].block_id if blocks else None))
+            if self.reserved_blocks:
+                self.pool.reserve_after(blocks[-1].block_id, min(self.reserved_blocks, self._blocks_to_come(request, len(blocks))))
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, request.num_computed_tokens + num_cached_tokens + num_new_tokens)
         return True
+
+    def _blocks_to_come(self, request: Request, have: int) -> int:
+        """Blocks the request may still need after its first `have`, as far as max_tokens says."""
+        max_tokens = request.sampling_params.max_tokens
+        last = request.max_model_len if max_tokens is None else min(request.max_model_len, request.num_prompt_tokens + max_tokens)
+        return max(0, cdiv(last, self.block_size) - have)
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent's table (one more reference each)."""
