@@ -108,6 +108,19 @@ at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tens
   return out;
 }
 
+#if TOKENMILL_SIMD
+// e^x for an activation of type T: inline on AVX-512 where the result is rounded to bf16 / fp16 anyway
+// (SiLU of a 2,048 x 4,096 bf16 gate, Zen 5, 2 threads: 1.92 -> 1.69 ms, equal to the eager ops' bits
+// on 8.4 M random values), libmvec's expf for float32.
+template <typename T>
+inline Vec exp_for(Vec x) {
+#if TOKENMILL_SIMD == 512
+  if constexpr (!std::is_same_v<T, float>) return tokenmill_cpu::exp_inline(x);
+#endif
+  return vexp(x);
+}
+#endif
+
 // [rows, 2I] (gate | up) -> [rows, I]: to_dtype(to_dtype(silu(gate)) * up), as F.silu(gate) * up.
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [rows, 2 * intermediate] with contiguous rows");
@@ -125,7 +138,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 #if TOKENMILL_SIMD
         for (; i + W <= n; i += W) {
           const Vec g = Vec::load(gate + i);
-          const Vec act = round_trip(g / (Vec::set1(1.f) + vexp(Vec::zero() - g)), gate);
+          const Vec act = round_trip(g / (Vec::set1(1.f) + exp_for<T>(Vec::zero() - g)), gate);
           store(o + r * n + i, act * Vec::load(up + i));
         }
 #endif

@@ -291,30 +291,10 @@ inline void mask_tile(float* s, int64_t n, int64_t R, int64_t k0, const float* q
     }
 }
 
-#if TOKENMILL_BF16_PAIRS
-// e^x for x <= 0 (the softmax's exponents), inline: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 in
-// two parts, and e^r by its Taylor series to degree 6 (relative error below 2e-7 for |r| <= ln 2 / 2,
-// about an ulp). libmvec's call spilled the loop's vectors around it: with it the bf16 tiles' softmax
-// was a third of their time. For the bf16 pairs only, which round P to bf16 (2^-9) anyway; the float32
-// path keeps libmvec's expf.
-inline Vec exp_nonpositive(Vec x) {
-  const __m512 v = _mm512_max_ps(x.v, _mm512_set1_ps(-87.0f));  // -inf (a masked key) gives ~1.6e-38, not NaN
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return {_mm512_scalef_ps(p, n)};
-}
-#endif
-
 // The online softmax step over a tile: m, l updated; S^T replaced by P^T; alpha[r] = exp(m_old - m_new).
-// kInlineExp: exp_nonpositive instead of libmvec (the bf16 pairs' tiles).
+// kInlineExp: vec.h's exp_inline instead of libmvec's call, which spilled the loop's vectors around it
+// (with it the bf16 pairs' softmax was a third of their time); for those tiles only, which round P to
+// bf16 anyway: the float32 path keeps libmvec's expf.
 template <bool kInlineExp = false>
 inline void softmax_tile(float* s, int64_t n, int64_t R, float* m, float* l, float* alpha, bool vec) {
   const float inf = std::numeric_limits<float>::infinity();
@@ -331,7 +311,7 @@ inline void softmax_tile(float* s, int64_t n, int64_t R, float* m, float* l, flo
       const Vec m_use = select(greater(m_new, minus_inf), m_new, zero);
       auto exp = [](Vec x) {
 #if TOKENMILL_BF16_PAIRS
-        if constexpr (kInlineExp) return exp_nonpositive(x);
+        if constexpr (kInlineExp) return tokenmill_cpu::exp_inline(x);
 #endif
         return vexp(x);
       };

@@ -149,6 +149,24 @@ inline Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c, rounded once
 inline Vec vmax(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline Vec vexp(Vec a) { return {_ZGVeN16v_expf(a.v)}; }
+// e^x inline, x clamped to [-87, 88] (so -inf gives ~1.6e-38, not NaN, and nothing overflows): 2^n e^r
+// with n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by its Taylor series to degree 6 (relative
+// error below 2e-7 for |r| <= ln 2 / 2, about an ulp). For kernels that round the result to bf16 or
+// fp16 anyway (vexp's call spills every live vector around it; this one stays in registers).
+inline Vec exp_inline(Vec x) {
+  const __m512 v = _mm512_min_ps(_mm512_max_ps(x.v, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return {_mm512_scalef_ps(p, n)};
+}
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
 // Horizontal sums of many vectors at once, a few shuffles per vector instead of reduce_add's chain:
