@@ -44,7 +44,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="what the KV cache stores: auto (the model's dtype), int8 (a scale per token and KV head) or fp8 "
         "(e4m3, or e5m2; a per-tensor scale of 1.0): about 2x (16-bit models) or 4x (float32) the blocks in the same memory; CPU only",
     )
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096)  # SchedulerConfig's (config.py imports torch)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument(
         "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
