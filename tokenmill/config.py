@@ -120,8 +120,9 @@ class CacheConfig:
 @dataclass
 class SchedulerConfig:
     # Token budget of one engine step. 4096, vLLM's CPU default: workload C (64 x 1,056 tokens over a shared
-    # 1,024-token prefix) prefills in one step instead of two and ran 1.08x faster on tiny100m (bf16, Zen 5:
-    # 1,165 / 1,241 against 1,088 / 1,126 output tok/s, alternating), B 1.04x, A and C-nocache the same.
+    # 1,024-token prefix) prefills in one step instead of two and ran 1.055-1.08x faster on tiny100m (bf16,
+    # Zen 5, alternating runs: 1,120 / 1,159 / 1,148 against 1,088 / 1,085 / 1,122 output tok/s), B 1.04x,
+    # A and C-nocache the same.
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 256  # running requests at most
     enable_chunked_prefill: bool = True
