@@ -180,8 +180,9 @@ inline void for_each_row(int64_t first, int64_t len, int64_t BS, const int64_t* 
 // -> 0.79 ms, at 32 x 192 0.093 -> 0.077; bf16 (with the block prefetch of for_each_row) 1.03 -> 0.88
 // and 0.099 -> 0.089; float32 2.16 -> 2.07 and 0.112 -> 0.107; the AVX2 build's float32 the same within
 // 4% (2.58 / 2.57, 0.157 / 0.163), its int8 1.41 -> 1.34 ms.
-#if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
-#define TOKENMILL_BF16_PAIRS 1
+#if TOKENMILL_BF16_PAIRS
+using tokenmill_cpu::dp_bf16;
+using tokenmill_cpu::load_bf16_pairs;
 // bf16 queries over a bf16 cache multiply by pairs of elements with vdpbf16ps: the query as the model
 // gave it (the softmax scale multiplies the scores), the K rows as stored, no widening; the PV pass
 // pairs consecutive positions (their probabilities rounded to bf16, as PyTorch's CPU attention and
@@ -189,12 +190,6 @@ inline void for_each_row(int64_t first, int64_t len, int64_t BS, const int64_t* 
 // heads, 30 layers' caches (out of the CPU caches), Zen 5, 2 threads, against the float32 passes:
 // 32 x 190 tokens 210 -> 195 us a layer, 64 x 1,000 2,435 -> 2,109, 114 x 400 1,813 -> 1,600; with
 // the caches in L3 95 -> 83 us (the step is mostly waiting for the blocks).
-inline Vec raw_bf16(const c10::BFloat16* p) { return {_mm512_castsi512_ps(_mm512_loadu_si512(p))}; }
-inline Vec dp_bf16(Vec acc, Vec a, Vec b) {
-  return {_mm512_dpbf16_ps(acc.v, (__m512bh)_mm512_castps_si512(a.v), (__m512bh)_mm512_castps_si512(b.v))};
-}
-#else
-#define TOKENMILL_BF16_PAIRS 0
 #endif
 
 // kPairs (bf16 only): vdpbf16ps on the raw bf16 query q_bf16 (scaled after, by `scale`) and K rows; else
@@ -209,7 +204,7 @@ void qk_fixed(const float* qf, const void* q_bf16, float scale, const scalar_t* 
     for (int c = 0; c < QV; ++c) {
 #if TOKENMILL_BF16_PAIRS
       if constexpr (kPairs) {
-        qv[g][c] = raw_bf16(static_cast<const c10::BFloat16*>(q_bf16) + g * D + 2 * W * c);
+        qv[g][c] = load_bf16_pairs(static_cast<const c10::BFloat16*>(q_bf16) + g * D + 2 * W * c);
         continue;
       }
 #endif
@@ -230,7 +225,7 @@ void qk_fixed(const float* qf, const void* q_bf16, float scale, const scalar_t* 
   const auto widen = [](const scalar_t* k, Vec (&kv)[QV]) {
 #if TOKENMILL_BF16_PAIRS
     if constexpr (kPairs) {
-      for (int c = 0; c < QV; ++c) kv[c] = raw_bf16(k + 2 * W * c);
+      for (int c = 0; c < QV; ++c) kv[c] = load_bf16_pairs(k + 2 * W * c);
       return;
     }
 #endif
@@ -327,22 +322,15 @@ void pv_pairs(const uint32_t* p2, int64_t n, const c10::BFloat16* v_head, const 
               int64_t BS, float* out) {
   constexpr int D = W * NC;
   const int64_t pairs = (n + 1) / 2;
-  const __m512i lo = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006, 0x270007,
-                                       0x280008, 0x290009, 0x2a000a, 0x2b000b, 0x2c000c, 0x2d000d, 0x2e000e, 0x2f000f);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   Vec acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = Vec::zero();
   const c10::BFloat16* pending = nullptr;
   const auto add_pair = [&](const c10::BFloat16* a, const c10::BFloat16* b, int64_t i) {
     Vec vv[NC];  // element c of the pair of rows: (a[c], b[c])
-    for (int c = 0; c < NC; c += 2) {
-      const __m512i x = _mm512_loadu_si512(a + W * c), y = _mm512_loadu_si512(b + W * c);
-      vv[c] = {_mm512_castsi512_ps(_mm512_permutex2var_epi16(x, lo, y))};
-      vv[c + 1] = {_mm512_castsi512_ps(_mm512_permutex2var_epi16(x, hi, y))};
-    }
+    for (int c = 0; c < NC; c += 2) tokenmill_cpu::interleave_bf16(a + W * c, b + W * c, vv[c], vv[c + 1]);
     for (int g = 0; g < G; ++g) {
-      const Vec pk = {_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(p2[g * pairs + i])))};
+      const Vec pk = tokenmill_cpu::broadcast_pair(p2[g * pairs + i]);
       for (int c = 0; c < NC; ++c) acc[g][c] = dp_bf16(acc[g][c], pk, vv[c]);
     }
   };

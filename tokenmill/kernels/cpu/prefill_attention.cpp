@@ -98,19 +98,14 @@ struct FloatMul {
   static Vec madd(Vec a, Vec b, Vec acc) { return fmadd(a, b, acc); }
   static Vec scaled(Vec s, Vec) { return s; }  // the softmax scale is in Q already
 };
-#if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
-#define TOKENMILL_BF16_PAIRS 1
+#if TOKENMILL_BF16_PAIRS
 struct Bf16PairMul {
   using elem = uint32_t;
-  static Vec load(const uint32_t* p) { return {_mm512_castsi512_ps(_mm512_loadu_si512(p))}; }
-  static Vec broadcast(uint32_t x) { return {_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(x)))}; }
-  static Vec madd(Vec a, Vec b, Vec acc) {
-    return {_mm512_dpbf16_ps(acc.v, (__m512bh)_mm512_castps_si512(a.v), (__m512bh)_mm512_castps_si512(b.v))};
-  }
+  static Vec load(const uint32_t* p) { return tokenmill_cpu::load_bf16_pairs(p); }
+  static Vec broadcast(uint32_t x) { return tokenmill_cpu::broadcast_pair(x); }
+  static Vec madd(Vec a, Vec b, Vec acc) { return tokenmill_cpu::dp_bf16(acc, a, b); }
   static Vec scaled(Vec s, Vec scale) { return s * scale; }  // Q stays as the model gave it (bf16)
 };
-#else
-#define TOKENMILL_BF16_PAIRS 0
 #endif
 
 // S^T[k, r0 .. r0 + RV*W) for KB keys: sum over the steps j (elements, or pairs) of K[k][j] * Qt[j][r].
@@ -211,22 +206,11 @@ inline void o_tile(const typename Mul::elem* p, int64_t R, const typename Mul::e
 }
 
 #if TOKENMILL_BF16_PAIRS
-// dst[i] = the bf16 pair (a[i], b[i]) for i < 16: two rows interleaved, a's element the low half.
-inline void interleave_bf16(const c10::BFloat16* a, const c10::BFloat16* b, uint32_t* dst) {
-  const __m512i lo = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006, 0x270007,
-                                              0x280008, 0x290009, 0x2a000a, 0x2b000b, 0x2c000c, 0x2d000d, 0x2e000e, 0x2f000f);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  const __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
-  _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(x, lo, y));
-  _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(x, hi, y));
-}
-
 // P^T [n, R] float32 to pairs of keys as bf16 (rounded to nearest even): p2[k / 2][r] = (P[k][r], P[k + 1][r]),
 // a zero for the missing key of an odd n.
 inline void pair_probabilities(const float* p, int64_t n, int64_t R, uint32_t* p2) {
-  const __m512i order = _mm512_setr_epi32(0x100000, 0x110001, 0x120002, 0x130003, 0x140004, 0x150005, 0x160006,
-                                                 0x170007, 0x180008, 0x190009, 0x1a000a, 0x1b000b, 0x1c000c, 0x1d000d,
-                                                 0x1e000e, 0x1f000f);
+  const __m512i order = _mm512_setr_epi32(0x100000, 0x110001, 0x120002, 0x130003, 0x140004, 0x150005, 0x160006, 0x170007,
+                                          0x180008, 0x190009, 0x1a000a, 0x1b000b, 0x1c000c, 0x1d000d, 0x1e000e, 0x1f000f);
   for (int64_t k = 0; k < n; k += 2)
     for (int64_t r = 0; r < R; r += W) {
       const __m512 first = _mm512_loadu_ps(p + k * R + r);
@@ -463,7 +447,12 @@ struct PairedFlashTile {
   void step(int64_t n, int64_t R, int64_t D, Mask&& mask) {
     for (int64_t k = 0; k < n; k += 2) {
       const c10::BFloat16* second = k + 1 < n ? vsrc[k + 1] : zero_row.data();
-      for (int64_t c0 = 0; c0 < D; c0 += 2 * W) interleave_bf16(vsrc[k] + c0, second + c0, vpairs.data() + k / 2 * D + c0);
+      for (int64_t c0 = 0; c0 < D; c0 += 2 * W) {
+        Vec lo, hi;
+        tokenmill_cpu::interleave_bf16(vsrc[k] + c0, second + c0, lo, hi);
+        store(reinterpret_cast<float*>(vpairs.data() + k / 2 * D + c0), lo);
+        store(reinterpret_cast<float*>(vpairs.data() + k / 2 * D + c0 + W), hi);
+      }
     }
     s_tile<Bf16PairMul>(krows.data(), n, qt.data(), R, D / 2, scale, s.data());
     mask(s.data());

@@ -36,6 +36,13 @@
 #define TOKENMILL_SIMD 0
 #endif
 
+// vdpbf16ps (AVX512-BF16): the attention kernels multiply bf16 pairs without widening them.
+#if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
+#define TOKENMILL_BF16_PAIRS 1
+#else
+#define TOKENMILL_BF16_PAIRS 0
+#endif
+
 #if TOKENMILL_SIMD == 512
 extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc's libmvec: 16 expf at once
 #elif TOKENMILL_SIMD == 256
@@ -169,6 +176,28 @@ inline Vec exp_inline(Vec x) {
 }
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+
+#if TOKENMILL_BF16_PAIRS
+// bf16 pairs for vdpbf16ps (the attention kernels): a Vec holding 16 pairs of bf16 (32 bits each, the
+// first element in the low half) instead of 16 floats.
+// acc[i] += a's pair i . b's pair i (both products, added to float32 acc[i]).
+inline Vec dp_bf16(Vec acc, Vec a, Vec b) {
+  return {_mm512_dpbf16_ps(acc.v, (__m512bh)_mm512_castps_si512(a.v), (__m512bh)_mm512_castps_si512(b.v))};
+}
+// 32 bf16 values as they lie in memory: the pairs (p[0], p[1]), (p[2], p[3]), ...
+inline Vec load_bf16_pairs(const void* p) { return {_mm512_castsi512_ps(_mm512_loadu_si512(p))}; }
+// One pair in all 16 lanes.
+inline Vec broadcast_pair(uint32_t pair) { return {_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair)))}; }
+// Two rows' 32 elements interleaved: lo holds the pairs (a[i], b[i]) for i < 16, hi for 16 <= i < 32.
+inline void interleave_bf16(const c10::BFloat16* a, const c10::BFloat16* b, Vec& lo, Vec& hi) {
+  const __m512i first = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006, 0x270007,
+                                          0x280008, 0x290009, 0x2a000a, 0x2b000b, 0x2c000c, 0x2d000d, 0x2e000e, 0x2f000f);
+  const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+  const __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
+  lo = {_mm512_castsi512_ps(_mm512_permutex2var_epi16(x, first, y))};
+  hi = {_mm512_castsi512_ps(_mm512_permutex2var_epi16(x, second, y))};
+}
+#endif
 // Horizontal sums of many vectors at once, a few shuffles per vector instead of reduce_add's chain:
 // sum4_per_lane(a, b, c, d) has, at 4 l + i of every 128-bit lane l, the sum of the i-th vector's
 // elements 4 l .. 4 l + 3; sum_quads(y) of W / 4 such vectors (y: W / 4 x W floats, vectors 4 j ..
