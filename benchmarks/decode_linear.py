@@ -41,7 +41,8 @@ def main() -> None:
     decoder = getattr(model, "model", None)
     if hasattr(decoder, "use_native_decode"):
         decoder.use_native_decode = False
-    packed = [w for m in model.modules() if isinstance(w := getattr(m, "packed_weight", None), PackedCPUWeight)]
+    # (an LM head built dense_only keeps no oneDNN copy: it takes dense_linear in both rounds)
+    packed = [w for m in model.modules() if isinstance(w := getattr(m, "packed_weight", None), PackedCPUWeight) and w.packed is not None]
     copies = [w.decode_packed for w in packed]
     print(f"dtype {next(model.parameters()).dtype}: {len(packed)} prepacked weights, "
           f"{sum(c is not None for c in copies)} with a copy for dense_linear", flush=True)

@@ -137,6 +137,30 @@ def test_packed_cpu_linear_decode_rows_run_dense_linear(monkeypatch):
     assert PackedCPUWeight(weight).decode_packed is None  # a larger weight keeps only oneDNN's copy
 
 
+@pytest.mark.skipif(not (cpu_kernels_available() and cpu_packed_weights_supported(torch.device("cpu"), torch.bfloat16)),
+                    reason="no CPU kernels or no oneDNN bf16 here")
+def test_packed_cpu_lm_head_keeps_dense_linear_copy_alone_where_bf16_pairs(monkeypatch):
+    """An LM head (dense_only) in bf16 with vdpbf16ps pairs keeps dense_linear's layout only and takes it at
+    every row count, with F.linear's numbers; in float32, without pairs or with the copies turned off it is
+    an ordinary PackedCPUWeight (oneDNN's copy, dense_linear's up to decode_max_rows)."""
+    import tokenmill.layers.quantization.unquantized as unquantized
+
+    torch.manual_seed(0)
+    weight = torch.randn(200, 48).bfloat16()
+    head = PackedCPUWeight(weight, dense_only=True)
+    if not cpu_kernels.bf16_pairs():
+        assert head.packed is not None
+        return
+    assert head.packed is None and head.decode_packed is not None
+    for rows in (1, 7, 33, 300):
+        x = torch.randn(rows, 48).bfloat16()
+        torch.testing.assert_close(head(x).float(), F.linear(x.float(), weight.float()), atol=0.1, rtol=2e-2)
+    assert PackedCPUWeight(weight.float(), dense_only=True).packed is not None
+    monkeypatch.setenv(unquantized.DECODE_COPIES_ENV, "0")
+    off = PackedCPUWeight(weight, dense_only=True)
+    assert off.packed is not None and off.decode_packed is None
+
+
 @pytest.mark.parametrize("rows", [5, 9, 33, 130])  # 1 x rows rows: unpadded, and padded to 16, 40 and 160
 def test_packed_cpu_linear_float32_pads_rows_to_buckets(rows):
     torch.manual_seed(0)

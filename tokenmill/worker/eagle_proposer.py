@@ -192,5 +192,5 @@ def _vocab_head(target: torch.nn.Module, draft_vocab: torch.Tensor | None):
         return None
     rows = weight.detach().index_select(0, draft_vocab).contiguous()
     if cpu_packed_weights_supported(rows.device, rows.dtype):
-        return PackedCPUWeight(rows)
+        return PackedCPUWeight(rows, dense_only=True)
     return lambda hidden: torch.nn.functional.linear(hidden, rows)
