@@ -159,7 +159,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.prepack:
-            layer.packed_weight = PackedCPUWeight(layer.weight.data, dense_only=True)
+            layer.packed_weight = PackedCPUWeight(layer.weight.data)
             layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
