@@ -64,11 +64,7 @@ constexpr int kMaxRows = Vec::kRegisters >= 32 ? 8 : 2;
 constexpr int kMaxRows = 4;
 #endif
 
-#if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
-constexpr bool kPairedBf16 = true;
-#else
-constexpr bool kPairedBf16 = false;
-#endif
+constexpr bool kPairedBf16 = TOKENMILL_BF16_PAIRS;  // vec.h: AVX-512 with AVX512-BF16
 
 // Whether weights of type T are packed by pairs of input features (for vdpbf16ps).
 template <typename T>
@@ -151,24 +147,22 @@ inline void tile_dot(const float* x, int64_t K, const WT* tile, float* out) {
 #endif
 }
 
-#if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
+#if TOKENMILL_BF16_PAIRS
 // The same for bf16 weights packed by pairs, against MT rows of x as bf16 pairs (ceil(K / 2) of
 // them per row, the last one zero-padded when K is odd).
 template <int MT>
 inline void tile_dot_paired(const uint32_t* x_pairs, int64_t pairs, const c10::BFloat16* tile, float* out) {
-  __m512 acc[MT][kVecs];
-  for (int i = 0; i < MT; ++i)
-    for (int v = 0; v < kVecs; ++v) acc[i][v] = _mm512_setzero_ps();
+  Vec acc[MT][kVecs];
+  zero_rows<MT>(acc);
   for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh xb[MT];
-    for (int i = 0; i < MT; ++i) xb[i] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[i * pairs + p]));
+    Vec xb[MT];
+    for (int i = 0; i < MT; ++i) xb[i] = tokenmill_cpu::broadcast_pair(x_pairs[i * pairs + p]);
     for (int v = 0; v < kVecs; ++v) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(tile + (p * kTileN + v * W) * 2);
-      for (int i = 0; i < MT; ++i) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], wv, xb[i]);
+      const Vec wv = tokenmill_cpu::load_bf16_pairs(tile + (p * kTileN + v * W) * 2);
+      for (int i = 0; i < MT; ++i) acc[i][v] = tokenmill_cpu::dp_bf16(acc[i][v], wv, xb[i]);
     }
   }
-  for (int i = 0; i < MT; ++i)
-    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(out + i * kTileN + v * W, acc[i][v]);
+  store_rows<MT>(acc, out);
 }
 #endif
 
@@ -246,7 +240,7 @@ inline void int4_tile_dot(const float* x, int64_t K, int64_t G, const uint8_t* t
 #endif
 }
 
-#if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
+#if TOKENMILL_BF16_PAIRS
 // The same for bf16 x, MT rows as bf16 pairs (K / 2 per row), with vdpbf16ps (see the top of this
 // section). Each row keeps four sets of partial sums (rows 0..15 and 16..31, each for the quad's
 // first and second pair of features), so consecutive vdpbf16ps do not wait on each other; at one
@@ -613,7 +607,8 @@ at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t tile_bytes, int max
         const int rows = static_cast<int>(std::min<int64_t>(max_rows, M - m));
         tile(t, m, rows, out);
 #if TOKENMILL_SIMD
-        // Whole tiles in vectors: the scalar loop's conversions cost ~15% of a 768-wide layer at 32 rows.
+        // Whole tiles in vectors: the scalar loop's conversions were an estimated ~10% of a 768-wide
+        // layer's cycles at 32 rows (a gain too small to time apart from the noise on the Zen 4 VM).
         // The same roundings as the scalar loop (a multiply, then an add).
         if (cols == kTileN) {
           for (int i = 0; i < rows; ++i)
@@ -653,7 +648,7 @@ at::Tensor tiled_linear(const at::Tensor& x, const WT* wp, int64_t N, const floa
   return run_tiles<T>(x, N, tile_size * static_cast<int64_t>(sizeof(WT)), kMaxRows, scale, bias, [&](int64_t t, int64_t m, int rows, float* out) {
     with_rows(rows, [&](auto mt) {
       constexpr int MT = decltype(mt)::value;
-#if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
+#if TOKENMILL_BF16_PAIRS
       if constexpr (kPaired) tile_dot_paired<MT>(x_pairs.data() + m * steps, steps, wp + t * tile_size, out);
 #endif
       if constexpr (!kPaired) tile_dot<WT, MT>(xf.data() + m * K, K, wp + t * tile_size, out);
@@ -783,7 +778,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiles, const at::T
       auto tile_rows = [&](int64_t t, int64_t m, int rows, float* out) {
         with_rows(rows, [&](auto mt) {
           constexpr int MT = decltype(mt)::value;
-#if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
+#if TOKENMILL_BF16_PAIRS
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
             // x's bf16 values, read by pairs of features (K is a multiple of 32).
             const auto* x_pairs = reinterpret_cast<const uint32_t*>(xc.data_ptr<T>()) + m * (K / 2);

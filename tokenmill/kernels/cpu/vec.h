@@ -36,7 +36,7 @@
 #define TOKENMILL_SIMD 0
 #endif
 
-// vdpbf16ps (AVX512-BF16): the attention kernels multiply bf16 pairs without widening them.
+// vdpbf16ps (AVX512-BF16): the attention kernels and dense_linear multiply bf16 pairs without widening them.
 #if TOKENMILL_SIMD == 512 && defined(__AVX512BF16__)
 #define TOKENMILL_BF16_PAIRS 1
 #else
@@ -178,7 +178,7 @@ inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
 
 #if TOKENMILL_BF16_PAIRS
-// bf16 pairs for vdpbf16ps (the attention kernels): a Vec holding 16 pairs of bf16 (32 bits each, the
+// bf16 pairs for vdpbf16ps (the attention kernels, dense_linear): a Vec holding 16 pairs of bf16 (32 bits each, the
 // first element in the low half) instead of 16 floats.
 // acc[i] += a's pair i . b's pair i (both products, added to float32 acc[i]).
 inline Vec dp_bf16(Vec acc, Vec a, Vec b) {
