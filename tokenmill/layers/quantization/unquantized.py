@@ -52,12 +52,16 @@ DECODE_COPY_MAX_BYTES = 64 << 20
 DECODE_COPIES_ENV = "TOKENMILL_DECODE_COPIES"
 
 
+def decode_copies_enabled() -> bool:
+    """Whether weights may keep a copy in dense_linear's layout: the CPU kernels loaded, and not turned off."""
+    return os.environ.get(DECODE_COPIES_ENV, "1") != "0" and cpu_kernels.cpu_kernels_available()
+
+
 def dense_only_supported(dtype: torch.dtype) -> bool:
     """Whether a weight built with dense_only=True keeps dense_linear's copy alone: bf16 where dense_linear
     multiplies pairs (an LM head measured at least level with oneDNN up to 512 rows there; the float32
     kernels take at most 8 rows a pass, so float32 heads keep oneDNN's copy)."""
-    return (dtype == torch.bfloat16 and os.environ.get(DECODE_COPIES_ENV, "1") != "0" and cpu_kernels.cpu_kernels_available()
-            and cpu_kernels.bf16_pairs())
+    return dtype == torch.bfloat16 and decode_copies_enabled() and cpu_kernels.bf16_pairs()
 
 
 class PackedCPUWeight:
@@ -67,28 +71,23 @@ class PackedCPUWeight:
     matmul itself (measured: 2-4x faster at one row, 10-40% at 32-64 rows). A decode step's rows (up
     to decode_max_rows) run the CPU kernels' dense_linear instead, on a copy in its own layout kept
     for weights of at most DECODE_COPY_MAX_BYTES.
+
+    dense_only (an LM head): multiplied at decode row counts in nearly every step (one row per sampled
+    request), at prompt lengths only for prompt logprobs. Where dense_only_supported, dense_linear's
+    layout alone, at every row count: 113M Llama's head (49,152 x 768, bf16, Zen 4) 1.84x oneDNN's
+    speed at one row, 1.13x at 32, 1.0x at 256-512, 0.98x at 1,024; one copy of the weight, not two.
     """
 
     def __init__(self, weight: torch.Tensor, dense_only: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self._matmul = torch.ops.mkldnn._linear_pointwise.default  # the overload itself: no lookup per call
-        if dense_only and dense_only_supported(weight.dtype):
-            # An LM head: multiplied at decode row counts in nearly every step (one row per sampled
-            # request), at prompt lengths only for prompt logprobs. There dense_linear's layout alone,
-            # at every row count: 113M Llama's head (49,152 x 768, bf16, Zen 4) 1.84x oneDNN's speed at
-            # one row, 1.13x at 32, 1.0x at 256-512, 0.98x at 1,024; one copy of the weight, not two.
-            self.packed = None
-            self.decode_packed = cpu_kernels.dense_pack(weight)
-            self._dense = torch.ops.tokenmill_cpu.dense_linear.default
-            self.decode_max_rows = sys.maxsize
-            return
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        dense_only = dense_only and dense_only_supported(weight.dtype)
+        self.packed = None if dense_only else torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self.decode_packed = None
-        if (weight.numel() * weight.element_size() <= DECODE_COPY_MAX_BYTES and os.environ.get(DECODE_COPIES_ENV, "1") != "0"
-                and cpu_kernels.cpu_kernels_available()):
+        if dense_only or (weight.numel() * weight.element_size() <= DECODE_COPY_MAX_BYTES and decode_copies_enabled()):
             self.decode_packed = cpu_kernels.dense_pack(weight)
             self._dense = torch.ops.tokenmill_cpu.dense_linear.default
-            self.decode_max_rows = decode_max_rows(weight.dtype)
+            self.decode_max_rows = sys.maxsize if dense_only else decode_max_rows(weight.dtype)
 
     def bound(self, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
         """self(x, bias) for 2-D contiguous rows, as a function of x alone (LinearMethodBase.bound_apply)."""
