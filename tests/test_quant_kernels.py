@@ -29,7 +29,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", [*ROWS, 33])  # 33: several passes of rows over each tile (run_tiles' next-tile prefetch)
 @pytest.mark.parametrize("shape", [(96, 64), (43, 201), (3, 40), (576, 1536)], ids=str)  # 43 x 201: part tiles, an odd K
 def test_dense_linear_matches_float_reference(shape, rows, dtype):
     """decode_linear.cpp's packed full-precision weights (a decode step's matmul) against F.linear in float32."""

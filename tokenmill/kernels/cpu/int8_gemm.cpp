@@ -26,7 +26,7 @@
 //
 // The integer multiply, by build (vec.h's TOKENMILL_SIMD and the target's macros):
 //   AVX512-VNNI  _mm512_dpbusd_epi32 multiplies u8 by s8: activations are stored as q + 128 (1..255)
-//                and each channel's result is corrected by 128 * sum_k q_w[n, k] over the group
+//                and each channel's sums start at -128 * sum_k q_w[n, k] over the group
 //                (the standard trick, exact: VNNI accumulates 4 products into int32 without saturation).
 //   AVX512BW, AVX2  _mm_maddubs_epi16 (u8 x s8 -> pairs summed into saturating int16) then
 //                _mm_madd_epi16 by ones (-> int32). With |q| <= 127 on both sides, the sign trick
@@ -115,7 +115,6 @@ using IVec = __m512i;
 struct XBcast {  // 4 activation bytes in every lane
   __m512i x;
 };
-inline IVec ivec_zero() { return _mm512_setzero_si512(); }
 inline IVec ivec_load(const int8_t* p) { return _mm512_loadu_si512(p); }
 inline XBcast xbcast(const uint8_t* p) { return {_mm512_set1_epi32(load4(p))}; }
 inline IVec dot4(IVec acc, XBcast x, IVec w) {
@@ -125,14 +124,12 @@ inline IVec dot4(IVec acc, XBcast x, IVec w) {
   return acc;
 }
 inline Vec to_float(IVec a) { return {_mm512_cvtepi32_ps(a)}; }
-inline IVec ivec_sub(IVec a, const int32_t* p) { return _mm512_sub_epi32(a, _mm512_loadu_si512(p)); }
 #elif defined(W8A8_ISA_MADDUBS512)
 using IVec = __m512i;
 struct XBcast {
   __m512i abs;    // |x| as u8
   __mmask64 neg;  // the bytes where x < 0
 };
-inline IVec ivec_zero() { return _mm512_setzero_si512(); }
 inline IVec ivec_load(const int8_t* p) { return _mm512_loadu_si512(p); }
 inline XBcast xbcast(const uint8_t* p) {
   const __m512i x = _mm512_set1_epi32(load4(p));
@@ -145,13 +142,11 @@ inline IVec dot4(IVec acc, XBcast x, IVec w) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 }
 inline Vec to_float(IVec a) { return {_mm512_cvtepi32_ps(a)}; }
-inline IVec ivec_sub(IVec a, const int32_t* p) { return _mm512_sub_epi32(a, _mm512_loadu_si512(p)); }
 #elif defined(W8A8_ISA_AVX2)
 using IVec = __m256i;
 struct XBcast {
   __m256i abs, x;
 };
-inline IVec ivec_zero() { return _mm256_setzero_si256(); }
 inline IVec ivec_load(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline XBcast xbcast(const uint8_t* p) {
   const __m256i x = _mm256_set1_epi32(load4(p));
@@ -162,9 +157,6 @@ inline IVec dot4(IVec acc, XBcast x, IVec w) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 inline Vec to_float(IVec a) { return {_mm256_cvtepi32_ps(a)}; }
-inline IVec ivec_sub(IVec a, const int32_t* p) {
-  return _mm256_sub_epi32(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 #endif
 
 // ---- activations: per-row quantize --------------------------------------------------------------
@@ -235,7 +227,8 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t G, uint
 // ---- the GEMM -----------------------------------------------------------------------------------
 
 struct Epilogue {
-  const int32_t* comp;    // [groups, Np] kOffset * sum over the group of q_w[n, k] (zeros past N)
+  const int32_t* start;   // [groups, Np] -kOffset * sum over the group of q_w[n, k] (zeros past N): where each
+                          // group's int32 sums start, so that they come out as the signed activations' sums
   const float* w_scale;   // [Np] (zeros past N)
   const float* bias;      // [Np] or nullptr
   const float* x_scale;   // [M, groups]
@@ -271,9 +264,14 @@ inline void tile(const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, 
   alignas(64) float totals[MR][kVecs][kLanes] = {};
   const uint8_t* xr = xq + m * Kp;
   for (int64_t a = 0; a < e.groups; ++a) {
+    // The sums start at the group's offset correction rather than at zero: the same exact int32
+    // result with no subtraction per accumulator and group (those run on the ports the dot products
+    // use).
+    const int32_t* start = e.start + a * e.Np + n0;
     IVec acc[MR][kVecs];
-    for (int r = 0; r < MR; ++r)
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = ivec_zero();
+    for (int v = 0; v < kVecs; ++v) acc[0][v] = ivec_load(reinterpret_cast<const int8_t*>(start + v * kLanes));
+    for (int r = 1; r < MR; ++r)
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = acc[0][v];
     for (int64_t g = a * group_quads; g < std::min(quads, (a + 1) * group_quads); ++g) {
       const int8_t* wp = panel + g * (4 * kPanel);
       if (next.panel)
@@ -285,11 +283,9 @@ inline void tile(const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, 
         for (int v = 0; v < kVecs; ++v) acc[r][v] = dot4(acc[r][v], x, w[v]);
       }
     }
-    const int32_t* comp = e.comp + a * e.Np + n0;
     for (int r = 0; r < MR; ++r) {
       const Vec xs = Vec::set1(e.x_scale[(m + r) * e.groups + a]);
-      for (int v = 0; v < kVecs; ++v)
-        store(totals[r][v], Vec::load(totals[r][v]) + to_float(ivec_sub(acc[r][v], comp + v * kLanes)) * xs);
+      for (int v = 0; v < kVecs; ++v) store(totals[r][v], Vec::load(totals[r][v]) + to_float(acc[r][v]) * xs);
     }
   }
   for (int v = 0; v < kVecs; ++v) {
@@ -313,7 +309,8 @@ inline void tile(const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, 
 #else
   float totals[MR][kPanel] = {};
   for (int64_t a = 0; a < e.groups; ++a) {
-    int32_t acc[MR][kPanel] = {};
+    int32_t acc[MR][kPanel];
+    for (int r = 0; r < MR; ++r) std::copy(e.start + a * e.Np + n0, e.start + a * e.Np + n0 + kPanel, acc[r]);
     for (int64_t g = a * group_quads; g < std::min(quads, (a + 1) * group_quads); ++g) {
       const int8_t* wp = panel + g * (4 * kPanel);
       for (int r = 0; r < MR; ++r) {
@@ -325,7 +322,7 @@ inline void tile(const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, 
     }
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < kPanel; ++c)
-        totals[r][c] = totals[r][c] + static_cast<float>(acc[r][c] - e.comp[a * e.Np + n0 + c]) * e.x_scale[(m + r) * e.groups + a];
+        totals[r][c] = totals[r][c] + static_cast<float>(acc[r][c]) * e.x_scale[(m + r) * e.groups + a];
   }
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < kPanel && n0 + c < e.N; ++c) y[(m + r) * e.N + n0 + c] = epilogue_one<T>(totals[r][c], n0 + c, e);
@@ -436,12 +433,12 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
   // Per-channel vectors padded to whole panels, so the vector epilogue never reads past them.
   std::vector<float> ws(Np, 0.f), bs;
-  std::vector<int32_t> comp(groups * Np, 0);
+  std::vector<int32_t> start(groups * Np, 0);
   const at::Tensor wsc = w_scale.contiguous();
   std::copy(wsc.data_ptr<float>(), wsc.data_ptr<float>() + N, ws.begin());
   const int32_t* cs = colsum.data_ptr<int32_t>();
   for (int64_t a = 0; a < groups; ++a)
-    for (int64_t n = 0; n < N; ++n) comp[a * Np + n] = kOffset * cs[a * N + n];
+    for (int64_t n = 0; n < N; ++n) start[a * Np + n] = -kOffset * cs[a * N + n];
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "w8a8_linear: bias must be [out_features]");
     const at::Tensor b = bias->to(at::kFloat).contiguous();
@@ -456,7 +453,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   dispatch_float_types(xc.scalar_type(), "w8a8_linear", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     quantize_rows<T>(xc.data_ptr<T>(), M, K, Kp, G, xq.get(), xs.data(), kOffset);
-    const Epilogue e{comp.data(), ws.data(), bs.empty() ? nullptr : bs.data(), xs.data(), N, Np, G, groups};
+    const Epilogue e{start.data(), ws.data(), bs.empty() ? nullptr : bs.data(), xs.data(), N, Np, G, groups};
     const int64_t row_tiles = (M + kMR - 1) / kMR;
     const int64_t blocks = row_blocks(panels, row_tiles, at::get_num_threads());
     const int64_t rows_per_block = (row_tiles + blocks - 1) / blocks * kMR;
