@@ -265,8 +265,9 @@ inline void tile(const uint8_t* xq, int64_t Kp, const int8_t* panel, int64_t m, 
   const uint8_t* xr = xq + m * Kp;
   for (int64_t a = 0; a < e.groups; ++a) {
     // The sums start at the group's offset correction rather than at zero: the same exact int32
-    // result with no subtraction per accumulator and group (those run on the ports the dot products
-    // use).
+    // result with no subtraction per accumulator and group (those ran on the ports the dot products
+    // use). SmolLM2's 30 layers, Zen 4, alternating in one process: 1.04x at 8 rows, 1.02x at 32,
+    // 1.05x at 128, the same bits.
     const int32_t* start = e.start + a * e.Np + n0;
     IVec acc[MR][kVecs];
     for (int v = 0; v < kVecs; ++v) acc[0][v] = ivec_load(reinterpret_cast<const int8_t*>(start + v * kLanes));
