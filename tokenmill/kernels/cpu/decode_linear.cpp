@@ -611,11 +611,11 @@ void with_scale_type(const at::Tensor& scale, F&& f) {
     f(static_cast<float*>(nullptr));
 }
 
-// Where a kernel's tiles lie for TilePrefetch: tile t at weights + t * tile_bytes, read step_bytes
-// per step of its loop (weights nullptr: the kernel asks for none).
+// Where a kernel's tiles lie for TilePrefetch: tile t at weights + t * tile_bytes, read in `steps`
+// steps of its loop (weights nullptr: the kernel asks for none).
 struct NextTilePlan {
   const void* weights = nullptr;
-  int64_t step_bytes = 0;
+  int64_t steps = 1;
 };
 
 // y [M, N] in T: y[m, n] = out[m, n] * (scale ? scale[n] : 1) + bias[n], rounded once, with
@@ -629,10 +629,14 @@ at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t tile_bytes, int max
   at::Tensor y = at::empty({M, N}, x.options());
   T* yp = y.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(tile_bytes, 1));
-  // With two passes or more, each pass asks for an equal span of the next tile (TilePrefetch).
+  // With two passes or more, each pass asks for an equal span of the next tile (TilePrefetch): the
+  // same rate for every pass, only where its span starts differs.
   const int64_t passes = (M + max_rows - 1) / max_rows;
   const bool prefetch_next = plan.weights != nullptr && passes >= 2;
-  const int64_t span = prefetch_next ? tile_bytes / passes : 0, steps = prefetch_next ? tile_bytes / plan.step_bytes : 1;
+  const int64_t span = prefetch_next ? tile_bytes / passes : 0;
+  TilePrefetch share;
+  share.per_step_q16 = (span << 16) / plan.steps;
+  share.lines = static_cast<int>((span / plan.steps + 63) / 64);
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float out[kMaxRows * kTileN];
     for (int64_t t = begin; t < end; ++t) {
@@ -640,12 +644,8 @@ at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t tile_bytes, int max
       const int cols = static_cast<int>(std::min<int64_t>(kTileN, N - n));
       for (int64_t m = 0; m < M; m += max_rows) {
         const int rows = static_cast<int>(std::min<int64_t>(max_rows, M - m));
-        TilePrefetch prefetch;
-        if (prefetch_next && t + 1 < end) {
-          prefetch.from = static_cast<const char*>(plan.weights) + (t + 1) * tile_bytes + m / max_rows * span;
-          prefetch.per_step_q16 = (span << 16) / steps;
-          prefetch.lines = static_cast<int>((span / steps + 63) / 64);
-        }
+        TilePrefetch prefetch = share;
+        if (prefetch_next && t + 1 < end) prefetch.from = static_cast<const char*>(plan.weights) + (t + 1) * tile_bytes + m / max_rows * span;
         tile(t, m, rows, out, prefetch);
 #if TOKENMILL_SIMD
         // Whole tiles in vectors: the scalar loop's conversions were an estimated ~10% of a 768-wide
@@ -687,7 +687,7 @@ at::Tensor tiled_linear(const at::Tensor& x, const WT* wp, int64_t N, const floa
     xf = rows_as_float<T>(x);
   }
   // int8 weights ask for their own tile ahead (prefetch_ahead) and take no plan.
-  const NextTilePlan plan{std::is_same_v<WT, int8_t> ? nullptr : wp, tile_size / steps * static_cast<int64_t>(sizeof(WT))};
+  const NextTilePlan plan{std::is_same_v<WT, int8_t> ? nullptr : wp, steps};
   auto tile = [&](int64_t t, int64_t m, int rows, float* out, const TilePrefetch& prefetch) {
     with_rows(rows, [&](auto mt) {
       constexpr int MT = decltype(mt)::value;
