@@ -12,8 +12,14 @@ glibc's mmap threshold was mapped, faulted in and unmapped again on every layer.
   the larger value on the main arena (the engine's forward runs on the main thread, also in
   `serve`); one that refuses it gets 32 MB. Larger buffers (the KV cache) stay mapped lazily.
 - zeros_huge_page_aligned: the KV cache starts on a 2 MB boundary (calloc's 16-byte offset made
-  every 128-byte K/V row straddle three cache lines) and lies in transparent huge pages (where THP
+  every 128-byte K/V row straddle three cache lines), in a mapping of its own, and lies in transparent huge pages (where THP
   is in "madvise" mode), so its first touch faults once per 2 MB instead of once per 4 KB.
+
+- move_weights_to_huge_pages: a built model's weights (parameters, buffers, the kernels' packed
+  copies) copied once into one such region in transparent huge pages. A decode step streams every
+  weight once; in 4 KB pages that is a TLB miss every 4 KB, and the hardware prefetchers stop at
+  each page's end, so each page's first lines wait on memory. SmolLM2's 120 layers at one row (Zen
+  4, alternating in one process): 1.25x the speed for int4, 1.18x for bf16.
 
 - KVPrefault: faults the KV cache's pages in ahead of use, on a background thread at the lowest
   priority while the engine is idle, in the order the block pool hands blocks out: a first touch
@@ -34,15 +40,18 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
 import os
 import threading
 import time
+import types
 import weakref
 from collections.abc import Iterator
 
 import numpy as np
 import psutil
 import torch
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -98,15 +107,127 @@ def advise_huge_pages(array: np.ndarray) -> None:
 
 
 def zeros_huge_page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
-    """A lazily zeroed buffer (calloc: pages are touched only when used) for a torch dtype, starting
-    on a 2 MB boundary and advised into huge pages; viewed as that dtype by torch.from_numpy(...).view."""
+    """A lazily zeroed buffer for a torch dtype (an anonymous mapping: pages are touched only when used),
+    starting on a 2 MB boundary and advised into huge pages; viewed as that dtype by
+    torch.from_numpy(...).view. A mapping of its own, not calloc: below tune_malloc's mmap threshold
+    calloc may hand out heap memory already faulted in as 4 KB pages (freed weights), which the advice
+    no longer turns into huge pages (a draft model's weights moved after the target's stayed in 4 KB
+    pages). The mapping lives as long as the array (or a tensor made from it)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     nbytes = int(np.prod(shape)) * itemsize
-    raw = np.zeros(nbytes + _HUGE_PAGE, dtype=np.uint8)
+    raw = np.frombuffer(_anonymous_mapping(nbytes + _HUGE_PAGE), dtype=np.uint8)
     offset = -raw.ctypes.data % _HUGE_PAGE
     buf = raw[offset : offset + nbytes]
     advise_huge_pages(buf)
     return buf.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize]).reshape(shape)
+
+
+def _anonymous_mapping(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory (Python's default, MAP_SHARED, is shared memory: no transparent huge pages there)."""
+    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, nbytes)
+
+
+# "0" leaves a model's weights where loading put them (move_weights_to_huge_pages does nothing).
+HUGE_PAGE_WEIGHTS_ENV = "TOKENMILL_HUGE_PAGE_WEIGHTS"
+_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+_ALIGN = 64  # each storage starts on a cache line
+
+
+def move_weights_to_huge_pages(model: nn.Module) -> int:
+    """Copy every CPU tensor the model holds (parameters, buffers, and the packed copies its layers keep
+    as plain attributes: weight_tensors) into one 2 MB-aligned buffer advised into transparent huge
+    pages, storage by storage, repointing each tensor in place (Tensor.set_: whoever holds it, a
+    kernel call's bound arguments or a tied LM head, sees the new memory; views keep their offsets).
+    Each old storage is freed as soon as it is copied, so memory peaks at the weights plus one
+    storage. Returns the bytes moved: 0 where transparent huge pages are off (nothing gained), with
+    TOKENMILL_HUGE_PAGE_WEIGHTS=0, or without glibc."""
+    if os.environ.get(HUGE_PAGE_WEIGHTS_ENV, "1") == "0" or not _huge_pages_possible():
+        return 0
+    storages: dict[int, list[torch.Tensor]] = {}
+    for tensor in weight_tensors(model):
+        storages.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+    sizes = {key: group[0].untyped_storage().nbytes() for key, group in storages.items()}
+    total = sum(-(-size // _ALIGN) * _ALIGN for size in sizes.values())
+    if total == 0:
+        return 0
+    arena = torch.from_numpy(zeros_huge_page_aligned((total,), torch.uint8))
+    offset = 0
+    with torch.inference_mode():  # set_ on inference tensors (weights processed under inference mode) too
+        for key, group in storages.items():
+            size = sizes[key]
+            old = torch.empty(0, dtype=torch.uint8).set_(group[0].untyped_storage())
+            arena[offset : offset + size].copy_(old)
+            del old
+            for tensor in group:
+                item = tensor.element_size()
+                tensor.set_(arena.untyped_storage(), (offset + tensor.storage_offset() * item) // item, tensor.size(), tensor.stride())
+            offset += -(-size // _ALIGN) * _ALIGN
+    storages.clear()
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)  # the heap's freed weights back to the system (tune_malloc turned trimming off)
+    return total
+
+
+@functools.cache
+def _huge_pages_possible() -> bool:
+    """Transparent huge pages on ("always" or "madvise") and madvise available."""
+    libc = _libc()
+    try:
+        with open(_THP_SETTING) as f:
+            setting = f.read()
+    except OSError:
+        return False
+    return "[never]" not in setting and libc is not None and hasattr(libc, "madvise")
+
+
+# The packages whose objects and closures hold weights (a layer's packed copy, a kernel call's bound
+# arguments): weight_tensors looks inside those only. Not the communicator a layer holds for tensor
+# parallelism: its buffers are memory shared with the other ranks, which a copy would cut off.
+_WEIGHT_HOLDERS = ("tokenmill.layers.", "tokenmill.models.", "tokenmill.kernels.")
+
+
+def weight_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The distinct strided CPU tensors reachable from the model: its modules' parameters, buffers and
+    attributes, through lists, tuples, dicts, functools.partial arguments, and the closures and the
+    attributes (or slots) of the objects of _WEIGHT_HOLDERS (a layer's packed weight, a kernel call's
+    bound arguments). Opaque tensors (oneDNN's reordered weights) have no storage to move."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack: list[object] = [model]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_mkldnn and obj.numel():
+                found[id(obj)] = obj
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, functools.partial):
+            stack.extend((obj.func, *obj.args, *obj.keywords.values()))
+        elif isinstance(obj, types.FunctionType):
+            if (obj.__module__ or "").startswith(_WEIGHT_HOLDERS):
+                stack.extend(_cell_contents(obj))
+        elif isinstance(obj, nn.Module) or type(obj).__module__.startswith(_WEIGHT_HOLDERS):
+            stack.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
+            stack.extend(getattr(obj, slot) for cls in type(obj).__mro__ for slot in getattr(cls, "__slots__", ()) if hasattr(obj, slot))
+    return list(found.values())
+
+
+def _cell_contents(function: types.FunctionType) -> list[object]:
+    contents = []
+    for cell in function.__closure__ or ():
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return contents
 
 
 # Disables the KV cache prefault (KVPrefault): "0" leaves the cache's pages to be faulted in by use.

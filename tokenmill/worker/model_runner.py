@@ -15,7 +15,7 @@ from tokenmill.layers.attention_metadata import BatchInputs
 from tokenmill.layers.kv_quant import KVScales, kv_storage_dtype, scale_bytes_per_block
 from tokenmill.spec_decode.verify import draft_rows, kept_tree_rows, num_kept
 from tokenmill.worker.batch import build_batch_inputs
-from tokenmill.worker.cpu_memory import KVPrefault, tune_malloc, zeros_huge_page_aligned
+from tokenmill.worker.cpu_memory import KVPrefault, move_weights_to_huge_pages, tune_malloc, zeros_huge_page_aligned
 from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
 
 
@@ -65,6 +65,7 @@ class ModelRunner:
         self.extra_logits_observer: Callable[[list[ScheduledChunk], list[list[int]], torch.Tensor], None] | None = None
         if device.type == "cpu":
             tune_malloc()
+            move_weights_to_huge_pages(model)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes in every layer: K and V rows in the cache's dtype, plus int8's per-row scales."""
