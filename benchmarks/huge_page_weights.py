@@ -62,7 +62,7 @@ def main() -> None:
     for name, (weights, _) in kinds.items():
         if name.startswith("int4,"):
             continue
-        copy = Weights([[t.clone() for t in w] if isinstance(w, list) else w.clone() for w in weights])
+        copy = Weights([[t.clone() for t in w] if isinstance(w, (list, tuple)) else w.clone() for w in weights])
         if not move_weights_to_huge_pages(copy):
             sys.exit("transparent huge pages are off here (or TOKENMILL_HUGE_PAGE_WEIGHTS=0): nothing to compare")
         placed[name] = copy.packed
