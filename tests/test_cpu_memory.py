@@ -138,16 +138,26 @@ def test_turned_off_or_nothing_to_do(monkeypatch):
     assert KVPrefault([]).wait(0)
 
 
-def test_an_engine_prefaulting_computes_the_same(tiny_model_factory):
+def greedy_outputs_on_and_off(model: str, env: str, check, **engine) -> list[list[list[int]]]:
+    """A tiny model's greedy outputs with the setting `env` on ("1"), then off ("0"); check(llm, setting)
+    runs on each engine before it generates."""
     prompts = random_prompts([5, 40, 70], seed=3)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outputs = []
     for setting in ("1", "0"):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(KV_PREFAULT_ENV, setting)
-            llm = LLM(model=tiny_model_factory("llama_gqa"), dtype="float32", block_size=4, num_kv_blocks=4096)
-            assert llm.llm_engine.executor.driver_runner.kv_prefault.wait(60)
+            mp.setenv(env, setting)
+            llm = LLM(model=model, dtype="float32", block_size=4, **engine)
+            check(llm, setting)
             outputs.append([o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)])
+    return outputs
+
+
+def test_an_engine_prefaulting_computes_the_same(tiny_model_factory):
+    def prefaulted(llm, setting):
+        assert llm.llm_engine.executor.driver_runner.kv_prefault.wait(60)
+
+    outputs = greedy_outputs_on_and_off(tiny_model_factory("llama_gqa"), KV_PREFAULT_ENV, prefaulted, num_kv_blocks=4096)
     assert outputs[0] == outputs[1]
 
 
@@ -233,17 +243,13 @@ def test_weights_stay_where_they_are_when_turned_off(monkeypatch):
 @needs_thp
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_an_engine_on_huge_page_weights_computes_the_same(tiny_model_factory, quantization):
-    prompts = random_prompts([5, 40, 70], seed=5)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outputs = []
-    for setting in ("1", "0"):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(HUGE_PAGE_WEIGHTS_ENV, setting)
-            llm = LLM(model=tiny_model_factory("llama_gqa"), dtype="float32", block_size=4, num_kv_blocks=256, quantization=quantization)
-            model = llm.llm_engine.executor.driver_runner.model
-            if setting == "1":  # every weight (the KV cache aside: allocated after) in one region
-                caches = {id(t) for layer in llm.llm_engine.executor.driver_runner.attn_layers for t in (layer.k_cache, layer.v_cache)}
-                regions = {t.untyped_storage().data_ptr() for t in weight_tensors(model) if id(t) not in caches}
-                assert len(regions) == 1 and regions.pop() % (2 << 20) == 0
-            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)])
+    def in_one_region(llm, setting):
+        if setting == "1":  # every weight (the KV cache aside: allocated after) in one region
+            runner = llm.llm_engine.executor.driver_runner
+            caches = {id(t) for layer in runner.attn_layers for t in (layer.k_cache, layer.v_cache)}
+            regions = {t.untyped_storage().data_ptr() for t in weight_tensors(runner.model) if id(t) not in caches}
+            assert len(regions) == 1 and regions.pop() % (2 << 20) == 0
+
+    outputs = greedy_outputs_on_and_off(tiny_model_factory("llama_gqa"), HUGE_PAGE_WEIGHTS_ENV, in_one_region, num_kv_blocks=256,
+                                        quantization=quantization)
     assert outputs[0] == outputs[1]

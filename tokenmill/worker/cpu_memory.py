@@ -12,14 +12,16 @@ glibc's mmap threshold was mapped, faulted in and unmapped again on every layer.
   the larger value on the main arena (the engine's forward runs on the main thread, also in
   `serve`); one that refuses it gets 32 MB. Larger buffers (the KV cache) stay mapped lazily.
 - zeros_huge_page_aligned: the KV cache starts on a 2 MB boundary (calloc's 16-byte offset made
-  every 128-byte K/V row straddle three cache lines), in a mapping of its own, and lies in transparent huge pages (where THP
-  is in "madvise" mode), so its first touch faults once per 2 MB instead of once per 4 KB.
+  every 128-byte K/V row straddle three cache lines), in a mapping of its own, and lies in
+  transparent huge pages (where THP is in "madvise" mode), so its first touch faults once per 2 MB
+  instead of once per 4 KB.
 
 - move_weights_to_huge_pages: a built model's weights (parameters, buffers, the kernels' packed
-  copies) copied once into one such region in transparent huge pages. A decode step streams every
-  weight once; in 4 KB pages that is a TLB miss every 4 KB, and the hardware prefetchers stop at
-  each page's end, so each page's first lines wait on memory. SmolLM2's 120 layers at one row (Zen
-  4, alternating in one process): 1.25x the speed for int4, 1.18x for bf16.
+  copies) copied once into one such region. A decode step streams every weight once; in 4 KB pages
+  that is a TLB miss every 4 KB, and the hardware prefetchers stop at each page's end, so each
+  page's first lines wait on memory. SmolLM2's 120 layers (benchmarks/huge_page_weights.py, Zen 4,
+  alternating in one process): bf16 1.38x the speed at one row and 1.20x at 32 rows, int4 1.21x at
+  one row.
 
 - KVPrefault: faults the KV cache's pages in ahead of use, on a background thread at the lowest
   priority while the engine is idle, in the order the block pool hands blocks out: a first touch
@@ -140,8 +142,8 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     as plain attributes: weight_tensors) into one 2 MB-aligned buffer advised into transparent huge
     pages, storage by storage, repointing each tensor in place (Tensor.set_: whoever holds it, a
     kernel call's bound arguments or a tied LM head, sees the new memory; views keep their offsets).
-    Each old storage is freed as soon as it is copied, so memory peaks at the weights plus one
-    storage. Returns the bytes moved: 0 where transparent huge pages are off (nothing gained), with
+    Each old storage is freed as soon as it is copied, and the heap's free memory goes back to the
+    system at the end (malloc_trim). Returns the bytes moved: 0 where transparent huge pages are off (nothing gained), with
     TOKENMILL_HUGE_PAGE_WEIGHTS=0, or without glibc."""
     if os.environ.get(HUGE_PAGE_WEIGHTS_ENV, "1") == "0" or not _huge_pages_possible():
         return 0
