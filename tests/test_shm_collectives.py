@@ -91,3 +91,15 @@ def test_a_peer_that_dies_is_an_error_within_a_second_or_two(tmp_path):
     peer.join(5)
     shm.unlink()
     shm.close()
+
+
+def test_a_peer_the_executor_knows_has_failed_is_an_error_within_a_second_or_two(tmp_path):
+    """A Ray rank that failed leaves its actor's process running: the executor's word ends the wait."""
+    shm = attach(str(tmp_path / "shm"), 0, create=True)
+    shm.peer_failure = lambda: "tensor-parallel rank 1 (a Ray actor) failed: boom"
+    start = time.monotonic()
+    with pytest.raises(PeerGoneError, match="rank 1 .* failed: boom"):
+        shm.all_reduce(torch.ones(4))
+    assert time.monotonic() - start < 5
+    shm.unlink()
+    shm.close()

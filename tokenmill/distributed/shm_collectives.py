@@ -21,6 +21,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import psutil
@@ -63,6 +64,10 @@ class SharedMemoryCollectives:
         self._data = torch.from_numpy(raw[self.header_bytes :])
         self.seq = 0
         self.peer_pids: dict[int, int] = {}
+        # Why a peer is gone, if one is (None while all run), asked with the pids: a Ray actor's process
+        # outlives a rank that failed (its task ended, the actor idles), so its pid alone never tells;
+        # the executor knows (its follower_failure).
+        self.peer_failure: Callable[[], str | None] | None = None
 
     def unlink(self) -> None:
         """Remove the file's name (the mappings stay valid): once every rank has mapped it."""
@@ -108,6 +113,9 @@ class SharedMemoryCollectives:
                     raise PeerGoneError(f"tensor-parallel ranks did not reach a collective within {self.timeout_s:.0f} s")
 
     def _check_peers(self, seq: int) -> None:
+        failure = self.peer_failure() if self.peer_failure is not None else None
+        if failure is not None:
+            raise PeerGoneError(failure)
         for rank, pid in self.peer_pids.items():
             if self._flags[rank] >= seq:
                 continue

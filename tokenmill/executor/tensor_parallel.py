@@ -128,6 +128,8 @@ class TensorParallelExecutor(Executor):
             if cores is not None and self.same_machine:  # ranks on other machines leave this one's cores to rank 0
                 pin_process(cores[0])
             self.comm = self.join(host, port, spec.device)
+            if self.comm.shm is not None:
+                self.comm.shm.peer_failure = self.follower_failure
             super().__init__(spec, source)
         except BaseException:
             self.stop_followers()
