@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import time
+from unittest import mock
 
 from tokenmill import LLM, SamplingParams
 
@@ -39,14 +40,9 @@ def main() -> None:
         label, _, spec = setting.partition("=")
         spec, _, env = spec.partition("@")
         method, _, options = spec.partition(":")
-        saved = dict(os.environ)
-        os.environ.update(dict(pair.split("=", 1) for pair in env.split(",") if pair))
-        try:
+        with mock.patch.dict(os.environ, dict(pair.split("=", 1) for pair in env.split(",") if pair)):
             engines[label] = LLM(model=args.model, quantization=None if method == "none" else method,
                                  quantization_options=json.loads(options) if options else None, kv_cache_memory=int(args.kv_cache_memory))
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
     for llm in engines.values():
         llm.llm_engine.executor.driver_runner.kv_prefault.wait()
     vocab = next(iter(engines.values())).llm_engine.vocab_size

@@ -22,6 +22,7 @@ import torch
 
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.layers.quantization import quant_utils
+from tokenmill.layers.quantization.weight_only import int4_tiles
 from tokenmill.worker.cpu_memory import HUGE_PAGE_WEIGHTS_ENV, move_weights_to_huge_pages
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,9 +39,9 @@ class Weights(torch.nn.Module):
         self.packed = packed
 
 
-def int4_layer(n: int, k: int) -> list[torch.Tensor]:
-    packed, scale, minimum = quant_utils.quantize_int4(torch.randn(n, k), 32, False)
-    return cpu_kernels.int4_pack(packed.contiguous(), scale.half().contiguous(), minimum.half().contiguous())
+def int4_layer(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int4 layer (groups of 32, asymmetric) in the kernels' layout, as the int4 method stores it."""
+    return int4_tiles(*quant_utils.quantize_int4(torch.randn(n, k), 32, False))
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """worker/cpu_memory.py's KV cache prefault: it faults pages in without changing what blocks hold,
-stops when the cache is freed, and an engine with it on computes what one without it does."""
+stops when the cache is freed, and an engine with it on computes what one without it does; the
+weights' move into huge pages keeps every value, tie and view, and an engine computes the same."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from conftest import random_prompts
 from tokenmill import LLM, SamplingParams
+from tokenmill.worker import cpu_memory
 from tokenmill.worker.cpu_memory import (HUGE_PAGE_WEIGHTS_ENV, KV_PREFAULT_ENV, KVPrefault, move_weights_to_huge_pages, weight_tensors,
                                         zeros_huge_page_aligned)
 
@@ -23,8 +25,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ma
 
 def _populate_write_works() -> bool:
     """Whether this kernel has MADV_POPULATE_WRITE (Linux 5.14); older ones refuse it and the prefault does nothing."""
-    from tokenmill.worker import cpu_memory
-
     libc = cpu_memory._libc()
     region = mmap.mmap(-1, 1 << 16)
     address = torch.frombuffer(region, dtype=torch.uint8).data_ptr()
@@ -90,8 +90,6 @@ def test_it_waits_for_an_idle_engine_unless_waited_on():
 def test_it_stops_short_of_the_machines_memory(monkeypatch):
     """A cache larger than what the machine has to spare is left to fault in by use, not committed whole."""
     import psutil
-
-    from tokenmill.worker import cpu_memory
 
     monkeypatch.setattr(cpu_memory, "_PREFAULT_RESERVE", psutil.virtual_memory().total)  # nothing to spare
     cache = fresh_kv_tensor(4, 4096)
@@ -184,13 +182,7 @@ def test_tune_malloc_keeps_freed_buffers_mapped():
     assert min(faults_of_a_12_mb_buffer() for _ in range(5)) < 300  # 3,072 pages of 4 KB when the heap is trimmed
 
 
-def _huge_pages_on() -> bool:
-    from tokenmill.worker import cpu_memory
-
-    return cpu_memory._huge_pages_possible()
-
-
-needs_thp = pytest.mark.skipif(not _huge_pages_on(), reason="transparent huge pages are off here: weights stay where they are")
+needs_thp = pytest.mark.skipif(not cpu_memory._huge_pages_possible(), reason="transparent huge pages are off here: weights stay where they are")
 
 
 class _Holder(torch.nn.Module):

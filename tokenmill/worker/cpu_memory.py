@@ -20,8 +20,8 @@ glibc's mmap threshold was mapped, faulted in and unmapped again on every layer.
   copies) copied once into one such region. A decode step streams every weight once; in 4 KB pages
   that is a TLB miss every 4 KB, and the hardware prefetchers stop at each page's end, so each
   page's first lines wait on memory. SmolLM2's 120 layers (benchmarks/huge_page_weights.py, Zen 4,
-  alternating in one process): bf16 1.38x the speed at one row and 1.20x at 32 rows, int4 1.21x at
-  one row.
+  alternating in one process, two runs): bf16 1.32-1.38x the speed at one row and 1.16-1.20x at 32
+  rows, int4 1.14-1.21x at one row.
 
 - KVPrefault: faults the KV cache's pages in ahead of use, on a background thread at the lowest
   priority while the engine is idle, in the order the block pool hands blocks out: a first touch
@@ -151,7 +151,8 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     for tensor in weight_tensors(model):
         storages.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
     sizes = {key: group[0].untyped_storage().nbytes() for key, group in storages.items()}
-    total = sum(-(-size // _ALIGN) * _ALIGN for size in sizes.values())
+    slots = {key: -(-size // _ALIGN) * _ALIGN for key, size in sizes.items()}  # each storage's share of the region
+    total = sum(slots.values())
     if total == 0:
         return 0
     arena = torch.from_numpy(zeros_huge_page_aligned((total,), torch.uint8))
@@ -165,7 +166,7 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
             for tensor in group:
                 item = tensor.element_size()
                 tensor.set_(arena.untyped_storage(), (offset + tensor.storage_offset() * item) // item, tensor.size(), tensor.stride())
-            offset += -(-size // _ALIGN) * _ALIGN
+            offset += slots[key]
     storages.clear()
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
