@@ -8,6 +8,8 @@
 #   4. `tokenmill serve --device cuda` on llama1b: a chat completion, then `tokenmill bench serve`
 #      (all at once, and one at a time); the server's packages (fastapi, uvicorn, pydantic...) must be
 #      importable there
+#   tests and the GGUF ones need `gguf` there too (a pure-Python wheel; the rest of the path needs nothing
+#   beyond torch, transformers, safetensors, numpy, psutil and tqdm)
 # Usage, in the repository root of a machine with CUDA: benchmarks/cuda_check.sh [config-folders] [out-folder]
 # (the whole output is also in out-folder/log.txt); STEPS="tests models bench profile serve" (the default)
 # picks steps (bench, profile and serve need models).

@@ -1,7 +1,7 @@
 """The CUDA path against HF transformers on the same GPU: greedy token equality at float32, batches
 and prefix-cache hits that change nothing, bf16 within the CPU tests' tolerance, seeded sampling
-that repeats, n-gram speculative decoding that keeps greedy's tokens, and clear errors for what
-runs on CPU only. Marked `gpu` and skipped without CUDA (CI has none).
+that repeats, speculative decoding (n-gram, a draft model, Medusa and EAGLE heads, chains and trees)
+that keeps the outputs, and clear errors for what runs on CPU only. Marked `gpu` and skipped without CUDA (CI has none).
 """
 
 from __future__ import annotations
@@ -109,9 +109,46 @@ def test_ngram_speculation_keeps_greedy_tokens_on_cuda(tiny_model_factory):
     assert generate(spec, prompts) == plain
 
 
+def test_draft_model_keeps_greedy_tokens_on_cuda(tiny_model_factory):
+    """A separate draft model (its own paged KV cache under the target's block tables) on the GPU."""
+    from test_spec_decode import assert_greedy_matches_plain_decoding
+
+    draft = {"method": "draft_model", "model": tiny_model_factory("llama_mqa_tied"), "num_speculative_tokens": 3,
+             "disable_by_batch_size": None}
+    llm = assert_greedy_matches_plain_decoding(tiny_model_factory("llama_gqa"), draft, device="cuda")
+    assert llm.llm_engine.stats().spec_decode.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("tree", [{}, {"tree_width": 3, "num_speculative_tokens": 3}])
+def test_medusa_chains_and_trees_keep_the_outputs_on_cuda(tiny_model_factory, tmp_path, tree):
+    """Medusa heads, chain and tree (tree attention on the PyTorch path), in the CPU tests' mixed batch:
+    greedy, seeded sampling and n > 1, prompt chunks, preemption and a shared prefix."""
+    from test_medusa import heads_folder, medusa_config, model_dims, random_heads, target_lm_head
+    from test_spec_tree import assert_tree_mixed_batch_matches_plain_decoding
+
+    folder = tiny_model_factory("llama_gqa")
+    hidden, vocab = model_dims(folder)
+    heads = heads_folder(tmp_path, random_heads(hidden, vocab, num_heads=4, lm_head=target_lm_head(folder)))
+    _, llm, _ = assert_tree_mixed_batch_matches_plain_decoding(folder, {**medusa_config(heads, k=3), **tree}, device="cuda")
+    assert llm.llm_engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("tree", [{}, {"tree_width": 3, "num_speculative_tokens": 3}])
+def test_eagle_chains_and_trees_keep_the_outputs_on_cuda(tiny_model_factory, tmp_path, tree):
+    """An EAGLE head (two layers, fed the target's hidden states) on the GPU, in the same mixed batch."""
+    from test_eagle import eagle_config, head_folder, random_head
+    from test_spec_tree import assert_tree_mixed_batch_matches_plain_decoding
+
+    folder = tiny_model_factory("llama_gqa")
+    heads = head_folder(tmp_path, random_head(folder, num_layers=2))
+    assert_tree_mixed_batch_matches_plain_decoding(folder, {**eagle_config(heads, k=3), **tree}, device="cuda")
+
+
 @pytest.mark.parametrize("kwargs,names", [
     (dict(quantization="int8"), "CPU only"),
     (dict(kv_cache_dtype="int8"), "CPU only"),
+    (dict(speculative_config={"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 3}),
+     "CPU only"),
 ])
 def test_cpu_only_features_are_clear_errors_on_cuda(kwargs, names, tiny_model_factory):
     with pytest.raises(ValueError, match=names):

@@ -123,7 +123,8 @@ class OracleProposer:
 
 def tiny_llm(folder: str, **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_memory", 8 << 20)
-    return LLM(folder, dtype="float32", skip_tokenizer_init=True, device="cpu", **kwargs)
+    kwargs.setdefault("device", "cpu")
+    return LLM(folder, dtype="float32", skip_tokenizer_init=True, **kwargs)
 
 
 def with_oracle(llm: LLM, reference, prompts, k: int = 4, wrong: float = 0.25, seed: int = 0) -> LLM:
@@ -183,14 +184,14 @@ def mixed_batch(num_prompts: int = 7, extra: list[SamplingParams] = ()) -> tuple
 
 
 def assert_greedy_matches_plain_decoding(folder: str, speculative_config: dict, num_prompts: int = 6, seed: int = 1,
-                                         max_tokens: int = 24, **llm_kwargs) -> LLM:
+                                         max_tokens: int = 24, device: str = "cpu", **llm_kwargs) -> LLM:
     """Greedy decoding of token_prompts(num_prompts, seed) with speculation gives the tokens of decoding
     without; the speculating engine comes back for the caller's own checks (and shutdown, with tensor
     parallelism: on a failure here it is shut down before the error goes on)."""
     prompts = token_prompts(num_prompts, seed=seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    reference = tiny_llm(folder).generate(prompts, params, use_tqdm=False)
-    llm = tiny_llm(folder, speculative_config=speculative_config, **llm_kwargs)
+    reference = tiny_llm(folder, device=device).generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=speculative_config, device=device, **llm_kwargs)
     try:
         assert_same_outputs(reference, llm.generate(prompts, params, use_tqdm=False))
     except BaseException:
@@ -200,12 +201,13 @@ def assert_greedy_matches_plain_decoding(folder: str, speculative_config: dict, 
 
 
 def assert_mixed_batch_matches_plain_decoding(folder: str, speculative_config: dict, num_prompts: int = 7,
-                                              extra: list[SamplingParams] = (), num_kv_blocks: int = 14) -> tuple[list, LLM, list]:
+                                              extra: list[SamplingParams] = (), num_kv_blocks: int = 14,
+                                              device: str = "cpu") -> tuple[list, LLM, list]:
     """mixed_batch(num_prompts, extra) under a small token budget (prompts chunked) and a KV cache too small
     for it (preemption): the outputs of decoding without speculation, drafts made, no block held after.
     Returns (the outputs without speculation, the speculating engine, its outputs)."""
     prompts, params = mixed_batch(num_prompts, extra)
-    tight = dict(num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=24)
+    tight = dict(num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=24, device=device)
     reference = tiny_llm(folder, **tight).generate(prompts, params, use_tqdm=False)
     llm = tiny_llm(folder, speculative_config=speculative_config, **tight)
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -107,10 +107,10 @@ def test_greedy_with_medusa_trees_equals_decoding_without(tiny_model_factory, tm
     assert_no_blocks_held(llm)
 
 
-def assert_tree_mixed_batch_matches_plain_decoding(folder: str, speculative_config: dict):
+def assert_tree_mixed_batch_matches_plain_decoding(folder: str, speculative_config: dict, device: str = "cpu"):
     """The shared mixed-batch check (prompt chunks, trees cut short, preemption) with one more request that
     cannot speculate (max_tokens 1), and room for a tree's slots."""
-    return assert_mixed_batch_matches_plain_decoding(folder, speculative_config, num_prompts=8,
+    return assert_mixed_batch_matches_plain_decoding(folder, speculative_config, num_prompts=8, device=device,
                                                      extra=[SamplingParams(max_tokens=1, temperature=0.0)], num_kv_blocks=18)
 
 
