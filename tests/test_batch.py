@@ -120,3 +120,22 @@ def test_prompt_chunks_of_very_different_lengths_are_not_padded_together():
     assert shapes == [(2, 1), (2, 40), (4, 6)]  # at most 2x padding: the long chunk takes one short one along
     covered = sorted(int(t) for g in batch.attn_groups for t in g.token_index.flatten() if t < batch.num_tokens)
     assert covered == list(range(batch.num_tokens))  # every token attended exactly once
+
+
+def test_next_decode_batch_is_the_batch_built_a_position_on():
+    """A draft model's next pass: the same decodes one position further (one crossing into its next block),
+    as build_batch_inputs makes it from the chunks; anything but plain decodes gets None."""
+    from tokenmill.worker.batch import next_decode_batch
+
+    decodes = [chunk("a", [50], start=3, blocks=[3, 7, 9]), chunk("b", [60], start=5, blocks=[6, 2]), chunk("c", [70], start=0, blocks=[5])]
+    moved = next_decode_batch(build(decodes), torch.tensor([51, 61, 71]))
+    want = build([chunk(c.request_id, [c.token_ids[0] + 1], c.start_pos + 1, c.block_ids) for c in decodes])
+    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices"):
+        assert torch.equal(getattr(moved, name), getattr(want, name)), name
+    assert moved.num_tokens == want.num_tokens
+    (got,), (expected,) = moved.attn_groups, want.attn_groups
+    for name in ("token_index", "block_table", "query_pos"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert got.decode_rows_and_positions()[1].tolist() == [4, 6, 1]
+    assert moved.slot_rows(2, 40).tolist() == want.slot_rows(2, 40).tolist()
+    assert next_decode_batch(build([chunk("p", [1, 2, 3, 4, 5, 6], start=0, blocks=[1, 2])]), torch.tensor([7])) is None

@@ -9,6 +9,7 @@ speculation, whatever else is in the batch (prompt chunks, preemption, n > 1, lo
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -324,6 +325,48 @@ def test_self_draft_equals_decoding_without(tiny_model_factory, model):
     assert stats.spec_decode.num_accepted_tokens > stats.spec_decode.num_draft_tokens / 2
     assert_no_blocks_held(llm)
     assert not llm.llm_engine.executor.worker.drafter._states  # nothing kept of finished requests
+
+
+def test_self_draft_shares_the_targets_kv_cache(tiny_model_factory):
+    """A "self" draft reads and writes the target's cache: the same tensors, the whole budget the
+    target's (as many blocks as without a draft), a first pass of one token per decode; a separate
+    draft model keeps a cache of its own."""
+    folder = tiny_model_factory("llama_gqa")
+    plain = tiny_llm(folder)
+    llm = tiny_llm(folder, speculative_config=DRAFT_SELF)
+    worker = llm.llm_engine.executor.worker
+    target, draft = worker.runner.attn_layers, worker.drafter.runner.attn_layers
+    assert all(d.k_cache is t.k_cache and d.v_cache is t.v_cache for d, t in zip(draft, target))
+    assert llm.llm_engine.scheduler.kv_cache.pool.num_usable_blocks == plain.llm_engine.scheduler.kv_cache.pool.num_usable_blocks
+    first_passes = []
+    execute = worker.drafter.runner.execute
+    worker.drafter.runner.execute = lambda chunks: first_passes.append([len(c.token_ids) for c in chunks]) or execute(chunks)
+    prompts = token_prompts(3, seed=3)
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    assert_same_outputs(plain.generate(prompts, params, use_tqdm=False), llm.generate(prompts, params, use_tqdm=False))
+    assert first_passes and all(n == 1 for lens in first_passes[1:] for n in lens)  # after the prompts' steps: one token
+    other = tiny_llm(folder, speculative_config={**DRAFT_SELF, "model": tiny_model_factory("llama_mqa_tied")})
+    assert other.llm_engine.executor.worker.drafter.runner.attn_layers[0].k_cache is not other.llm_engine.executor.worker.runner.attn_layers[0].k_cache
+
+
+def test_greedy_draft_passes_take_the_argmax_without_the_sampler(tiny_model_factory, monkeypatch):
+    """Greedy requests with nothing else to apply: the draft's passes after the first take the logits'
+    argmax straight (worker/batch.py's next_decode_batch between them), requests ending at different
+    passes; a repetition penalty, which can change a greedy choice, keeps the sampler. Outputs unchanged."""
+    folder = tiny_model_factory("llama_gqa")
+    prompts = token_prompts(5, seed=8)
+    greedy = [SamplingParams(max_tokens=m, temperature=0.0) for m in (5, 9, 17, 30, 30)]
+    penalized = [replace(p, repetition_penalty=1.3) for p in greedy]
+    reference = tiny_llm(folder).generate(prompts * 2, greedy + penalized, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=DRAFT_SELF)
+    runner, calls = llm.llm_engine.executor.worker.drafter.runner, []
+    fast = runner.greedy_decode
+    monkeypatch.setattr(runner, "greedy_decode", lambda batch: calls.append(batch.num_tokens) or fast(batch))
+    assert_same_outputs(reference[:5], llm.generate(prompts, greedy, use_tqdm=False))
+    assert calls and set(calls) > {5}  # every request's passes at first, fewer once some are done
+    calls.clear()
+    assert_same_outputs(reference[5:], llm.generate(prompts, penalized, use_tqdm=False))
+    assert not calls
 
 
 def test_a_separate_draft_model(tiny_model_factory):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import chain
 
 import numpy as np
@@ -92,6 +93,29 @@ def build_batch_inputs(chunks: list[ScheduledChunk], block_size: int, device: to
         attn_groups=groups,
         block_size=block_size,
         num_tokens=num_tokens,
+    )
+
+
+def next_decode_batch(batch: BatchInputs, input_ids: torch.Tensor) -> BatchInputs | None:
+    """A batch of plain decodes (BatchInputs.plain_decode_group) one position further on: input_ids at each
+    request's next position, in the blocks its table already holds (a draft model's next pass, whose
+    slots the scheduler reserved), made with a few tensor ops instead of build_batch_inputs' numpy from
+    chunks (~0.25 ms a pass of one request). None for any other batch."""
+    group = batch.plain_decode_group()
+    if group is None:
+        return None
+    positions = batch.positions + 1
+    blocks = batch.block_tables.gather(1, (positions // batch.block_size)[:, None])[:, 0]
+    num_blocks = int(positions.max()) // batch.block_size + 1
+    return replace(
+        batch,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=blocks * batch.block_size + positions % batch.block_size,
+        seq_lens=batch.seq_lens + 1,
+        attn_groups=[AttentionGroup(token_index=group.token_index, block_table=batch.block_tables[:, :num_blocks].contiguous(),
+                                    query_pos=group.query_pos + 1)],
+        _slot_rows={},
     )
 
 

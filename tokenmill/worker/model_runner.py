@@ -16,7 +16,7 @@ from tokenmill.layers.kv_quant import KVScales, kv_storage_dtype, scale_bytes_pe
 from tokenmill.spec_decode.verify import draft_rows, kept_tree_rows, num_kept
 from tokenmill.worker.batch import build_batch_inputs
 from tokenmill.worker.cpu_memory import KVPrefault, move_weights_to_huge_pages, tune_malloc, zeros_huge_page_aligned
-from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
+from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, argmax_and_logsumexp, compute_logprobs
 
 
 class Followers:
@@ -96,6 +96,17 @@ class ModelRunner:
         if self.device.type == "cpu":  # see _zeros: the pages are faulted in ahead while the engine is idle
             self.kv_prefault = KVPrefault([t for layer in self.attn_layers for t in (layer.k_cache, layer.v_cache)])
 
+    def share_kv_cache(self, owner: "ModelRunner") -> None:
+        """Read and write owner's KV cache instead of a cache of its own: a quantized copy of owner's model (a
+        "self" draft) has the same attention layers, so each takes the matching layer's cache (and its
+        prefault, which its passes then pause as owner's do). Owner allocates first."""
+        if [(a.num_kv_heads, a.head_dim) for a in self.attn_layers] != [(a.num_kv_heads, a.head_dim) for a in owner.attn_layers]:
+            raise ValueError(f"the {self.name} model's attention layers differ from the {owner.name}'s: it cannot share their KV cache")
+        for mine, theirs in zip(self.attn_layers, owner.attn_layers):
+            mine.workspace, mine.backend = theirs.workspace, theirs.backend
+            mine.k_cache, mine.v_cache, mine.kv_scales = theirs.k_cache, theirs.v_cache, theirs.kv_scales
+        self.num_blocks, self.kv_prefault = owner.num_blocks, owner.kv_prefault
+
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -136,7 +147,7 @@ class ModelRunner:
 
         grammar_bitmask: structured output's allowed tokens, one row per sampling row (ScheduledChunk.sampling_rows, in order).
         """
-        batch = build_batch_inputs(chunks, self.block_size, self.device, self.cascade_attention)
+        batch = self.batch_inputs(chunks)
         hidden = self.forward(batch)
         result = ModelRunnerOutput.empty(len(chunks))
         self._prompt_logprobs(chunks, hidden, result)
@@ -181,6 +192,17 @@ class ModelRunner:
         if extra_logits is not None:
             self.extra_logits_observer(chunks, result.sampled_token_ids, extra_logits)
         return result
+
+    def batch_inputs(self, chunks: list[ScheduledChunk]) -> BatchInputs:
+        return build_batch_inputs(chunks, self.block_size, self.device, self.cascade_attention)
+
+    def greedy_decode(self, batch: BatchInputs) -> torch.Tensor:
+        """Each sampled row's argmax over the raw logits, as the sampler picks a plain greedy row (ties
+        too): a forward pass and its logits without the sampler's metadata and outputs, for a proposer's
+        passes where nothing else applies (ScheduledChunk.greedy_after_drafts)."""
+        with self.kv_prefault.busy(), torch.inference_mode():
+            hidden = self.forward(batch)
+            return argmax_and_logsumexp(self.compute_logits(hidden, batch.logits_indices))[0]
 
     def _gather_tree_paths(self, chunks: list[ScheduledChunk], paths: list[list[int]], hidden: torch.Tensor,
                            extra_logits: torch.Tensor | None, num_rows: int) -> None:

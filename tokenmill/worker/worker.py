@@ -106,18 +106,33 @@ class Worker:
         quant = get_quantization_config(draft.quantization, draft.quantization_options, spec.device, spec.dtype,
                                         draft_source.hf_config)
         model = build_model(draft_source, spec.device, spec.dtype, spec.max_model_len, quant, self.comm)
+        # "self": the target's own layers, quantized, so the draft reads the target's KV cache (exact, where
+        # the target has computed it) and writes only this step's slots, which the target's pass rewrites.
         return DraftModelProposer(ModelRunner(model, spec.device, spec.dtype, spec.config.cache.block_size, followers, "draft",
-                                                   spec.config.cache.kv_cache_dtype, spec.config.cache.cascade_attention))
+                                                   spec.config.cache.kv_cache_dtype, spec.config.cache.cascade_attention),
+                                  shares_target_kv=draft.model == "self")
 
     def _runners(self) -> dict[str, ModelRunner]:
+        """The models this rank runs: the target's, and a draft's or an EAGLE head's."""
         runners = {"target": self.runner}
-        if isinstance(self.drafter, (DraftModelProposer, EagleProposer)):  # a KV cache of their own
+        if isinstance(self.drafter, (DraftModelProposer, EagleProposer)):
             runners["draft"] = self.drafter.runner
         return runners
 
+    def _kv_owners(self) -> list[ModelRunner]:
+        """The runners with a KV cache of their own (a "self" draft shares the target's)."""
+        return [r for name, r in self._runners().items() if name == "target" or not self._draft_shares_kv()]
+
+    def _draft_shares_kv(self) -> bool:
+        return isinstance(self.drafter, DraftModelProposer) and self.drafter.shares_target_kv
+
+    def _share_draft_kv(self) -> None:
+        if self._draft_shares_kv():
+            self.drafter.runner.share_kv_cache(self.runner)
+
     def kv_prefaults(self) -> list:
         """Each KV cache's prefault on this rank (worker/cpu_memory.py's KVPrefault): the target's, and a draft's."""
-        return [runner.kv_prefault for runner in self._runners().values()]
+        return [runner.kv_prefault for runner in self._kv_owners()]
 
     # -- the executor's calls -------------------------------------------------------------------
     def num_kv_blocks(self) -> int:
@@ -126,7 +141,7 @@ class Worker:
         cache = config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = sum(r.kv_bytes_per_block() for r in self._runners().values())
+        per_block = sum(r.kv_bytes_per_block() for r in self._kv_owners())
         if cache.kv_cache_memory is not None:
             budget = cache.kv_cache_memory
         elif spec.device.type == "cuda":
@@ -147,13 +162,14 @@ class Worker:
         return int(num_blocks)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        for runner in self._runners().values():  # the same block ids: the draft's KV lives where the target's does
+        for runner in self._kv_owners():  # the same block ids: the draft's KV lives where the target's does
             runner.allocate_kv_cache(num_blocks)
+        self._share_draft_kv()
 
     def prepare_step(self, scheduled: SchedulerOutput) -> None:
         """Before the step's forward pass: copy-on-write copies, and the draft model's drafts written into
         the slots the scheduler reserved for them."""
-        for runner in self._runners().values():
+        for runner in self._kv_owners():
             runner.copy_blocks(scheduled.block_copies)
         if self.drafter is not None:
             self.drafter.forget(scheduled.preempted_request_ids)
@@ -195,6 +211,8 @@ class Worker:
                 runner.model.compute_logits(selected if extra is None else torch.cat([selected, extra.to(device, selected.dtype)]))
             elif op == "init_kv":
                 runner.allocate_kv_cache(args[0])
+                if name == "target":
+                    self._share_draft_kv()
             elif op == "copy_blocks":
                 runner.copy_blocks(args[0])
             elif op == "move_kv":

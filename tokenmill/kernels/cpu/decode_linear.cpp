@@ -798,6 +798,29 @@ at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& tiles, const
   return y;
 }
 
+// Each row of x [M, K] (contiguous) summed over each group of G features: the mins' terms of int4_linear.
+template <typename T>
+std::vector<float> group_sums(const at::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), groups = (K + G - 1) / G;
+  std::vector<float> sums(M * groups);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* row = xp + m * K;
+      const int64_t k1 = std::min(K, (g + 1) * G);
+      int64_t k = g * G;
+      float sum = 0.f;
+#if TOKENMILL_SIMD
+      Vec acc = Vec::zero();
+      for (; k + W <= k1; k += W) acc = acc + Vec::load(row + k);
+      sum = tokenmill_cpu::reduce_add(acc);
+#endif
+      for (; k < k1; ++k) sum += static_cast<float>(row[k]);
+      sums[m * groups + g] = sum;
+    }
+  return sums;
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& min, int64_t group_size,
                        int64_t out_features, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2, "int4_linear: x must be [rows, in_features]");
@@ -811,11 +834,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiles, const at::T
   at::Tensor y;
   dispatch_float_types(x.scalar_type(), "int4_linear", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const std::vector<float> xf = rows_as_float<T>(xc);
-    std::vector<float> x_sums(M * groups, 0.f);  // each row's sum over each group: the mins' terms
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t k = g * G; k < std::min(K, (g + 1) * G); ++k) x_sums[m * groups + g] += xf[m * K + k];
+    // x widened to float32 where the float kernel reads it; bf16 pairs read x as it is.
+    const std::vector<float> xf = paired<T>() ? std::vector<float>() : rows_as_float<T>(xc);
+    const std::vector<float> x_sums = group_sums<T>(xc, G);
     with_scale_type(scale, [&](auto* scale_tag) {
       using S = std::remove_pointer_t<decltype(scale_tag)>;
       const S *sp = scale.data_ptr<S>(), *mp = min.numel() ? min.data_ptr<S>() : nullptr;

@@ -34,6 +34,10 @@ std::vector<float> rows_as_float(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<float> out(M * K);
   const T* xp = x.data_ptr<T>();
+  if (x.is_contiguous()) {  // one flat loop the compiler vectorizes (a decode row: 1-2 us a call strided)
+    for (int64_t i = 0; i < M * K; ++i) out[i] = static_cast<float>(xp[i]);
+    return out;
+  }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) out[m * K + k] = static_cast<float>(xp[m * x.stride(0) + k * x.stride(1)]);
   return out;
