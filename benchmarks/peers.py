@@ -39,8 +39,9 @@ Steps (--steps, comma-separated; default all, in this order):
                   requests to copy a ~160-token passage with one word changed, stopping at EOS: where
                   prompt lookup pays) and `chat` (8 open-ended chat prompts, 128 tokens). tokenmill
                   without speculation, with `ngram` (k=4) and with the quantized self-draft (int4,
-                  k=3); llama-server without, with `--spec-type ngram-simple` and with the Q4_0 file
-                  as its draft model (k=3); vLLM's server without and with `ngram` (k=4).
+                  k=3, and on `chat` k=6); llama-server without, with `--spec-type ngram-simple` and
+                  with the Q4_0 file as its draft model (k=3, and on `chat` 6); vLLM's server without
+                  and with `ngram` (k=4).
   table           the table: engine, mode, model, workload, output tok/s, req/s, mean TTFT, and
                   the ratio to tokenmill in the same mode (serving engines against tokenmill's
                   server, offline ones against tokenmill offline). Also WORK/results/summary.json.
@@ -702,11 +703,13 @@ SPEC_WORKLOADS = {
 }
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 SELF_DRAFT = {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 3}
+SELF_DRAFT6 = {**SELF_DRAFT, "num_speculative_tokens": 6}  # tokenmill's fastest self-draft on the chat prompts
 # (engine, proposer, workloads); the proposers' settings are in step_spec.
 SPEC_RUNS = [
     ("tokenmill-serve", "none", ["edit", "chat"]), ("tokenmill-serve", "ngram", ["edit"]),
-    ("tokenmill-serve", "draft", ["edit", "chat"]),
+    ("tokenmill-serve", "draft", ["edit", "chat"]), ("tokenmill-serve", "draft6", ["chat"]),
     ("llamacpp", "none", ["edit", "chat"]), ("llamacpp", "ngram", ["edit"]), ("llamacpp", "draft", ["edit", "chat"]),
+    ("llamacpp", "draft6", ["chat"]),
     ("vllm-serve", "none", ["edit"]), ("vllm-serve", "ngram", ["edit"]),
 ]
 
@@ -722,7 +725,7 @@ def step_spec(ctx: Ctx) -> None:
         bench = [(f"{w}-1", SPEC_WORKLOADS[w]) for w in workloads]
         try:
             if engine == "tokenmill-serve":
-                spec = {"ngram": NGRAM, "draft": SELF_DRAFT}.get(proposer)
+                spec = {"ngram": NGRAM, "draft": SELF_DRAFT, "draft6": SELF_DRAFT6}.get(proposer)
                 cmd = tokenmill_serve_cmd(ctx, model_dir, name_flags, *(["--speculative-config", json.dumps(spec)] if spec else []))
                 serve_and_bench(ctx, tag, SPEC_MODEL, bench, cmd, None, ready_timeout=300, served_name=name)
             elif engine == "llamacpp":
@@ -731,8 +734,9 @@ def step_spec(ctx: Ctx) -> None:
                 cmd = llamacpp_serve_cmd(ctx, quant_gguf(ctx, None), 1, MAX_MODEL_LEN)
                 if proposer == "ngram":
                     cmd += ["--spec-type", "ngram-simple"]
-                elif proposer == "draft":
-                    cmd += ["-md", quant_gguf(ctx, "Q4_0"), "--spec-draft-n-max", "3", "-td", str(ctx.ncpu)]
+                elif proposer in ("draft", "draft6"):
+                    drafts = "6" if proposer == "draft6" else "3"
+                    cmd += ["-md", quant_gguf(ctx, "Q4_0"), "--spec-draft-n-max", drafts, "-td", str(ctx.ncpu)]
                 serve_and_bench(ctx, tag, SPEC_MODEL, bench, cmd, None, ready_timeout=300)
             else:
                 if not ctx.vllm_python.exists():
