@@ -388,7 +388,8 @@ def test_draft_model_errors_name_the_problem(tiny_model_factory, wide_tiny_llama
         SpeculativeConfig(method="ngram", model="self")
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         SpeculativeConfig(method="draft_model", model="self", quantization="int3")
-    assert SpeculativeConfig(method="draft_model", model="self").quantization == "int8"
+    default = SpeculativeConfig(method="draft_model", model="self")
+    assert (default.quantization, default.quantization_options) == ("int4", {"group_size": 32})
     assert SpeculativeConfig(method="draft_model", model="self", quantization="int4").quantization_options == {"group_size": 32}
     with pytest.raises(ValueError, match=r"vocabulary \(256 tokens\) differs from the target's \(512\)"):
         tiny_llm(tiny_model_factory("llama_gqa"), speculative_config={"method": "draft_model", "model": wide_tiny_llama})
