@@ -349,6 +349,21 @@ def test_self_draft_shares_the_targets_kv_cache(tiny_model_factory):
     assert other.llm_engine.executor.worker.drafter.runner.attn_layers[0].k_cache is not other.llm_engine.executor.worker.runner.attn_layers[0].k_cache
 
 
+def test_self_draft_on_an_int8_kv_cache(tiny_model_factory):
+    """The shared cache quantized (int8 with per-row scales, which the draft writes too): greedy and seeded
+    sampling as without speculation, through preemption."""
+    folder = tiny_model_factory("llama_gqa")
+    prompts = token_prompts(6, seed=5)
+    params = [SamplingParams(max_tokens=30, temperature=0.0), SamplingParams(max_tokens=30, temperature=0.8, seed=9, n=2)]
+    jobs = [params[i % 2] for i in range(len(prompts))]
+    tight = dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=32, kv_cache_dtype="int8")
+    reference = tiny_llm(folder, **tight).generate(prompts, jobs, use_tqdm=False)
+    llm = tiny_llm(folder, speculative_config=DRAFT_SELF, **tight)
+    assert_same_outputs(reference, llm.generate(prompts, jobs, use_tqdm=False))
+    assert llm.llm_engine.stats().num_preemptions > 0
+    assert_no_blocks_held(llm)
+
+
 def test_greedy_draft_passes_take_the_argmax_without_the_sampler(tiny_model_factory, monkeypatch):
     """Greedy requests with nothing else to apply: the draft's passes after the first take the logits'
     argmax straight (worker/batch.py's next_decode_batch between them), requests ending at different
