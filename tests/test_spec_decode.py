@@ -305,17 +305,17 @@ def test_ngram_end_to_end_on_repeating_prompts(tiny_model_factory):
 DRAFT_SELF = {"method": "draft_model", "model": "self", "quantization": "int8", "num_speculative_tokens": 3, "disable_by_batch_size": None}
 
 
-@pytest.mark.parametrize("model", ["llama_gqa", "qwen2", "mistral_swa"])
-def test_self_draft_equals_decoding_without(tiny_model_factory, model):
-    """A quantized copy of the target drafts (its own KV cache under the target's block tables): greedy and
-    seeded sampling (n > 1 too) give the outputs of decoding without speculation, with prompt chunks,
-    preemption and prefix caching in play, and most drafts are kept."""
+@pytest.mark.parametrize("model, kv_cache_dtype", [("llama_gqa", "auto"), ("qwen2", "auto"), ("mistral_swa", "auto"), ("llama_gqa", "int8")])
+def test_self_draft_equals_decoding_without(tiny_model_factory, model, kv_cache_dtype):
+    """A quantized copy of the target drafts (in the target's KV cache; int8 with its per-row scales too):
+    greedy and seeded sampling (n > 1 too) give the outputs of decoding without speculation, with prompt
+    chunks, preemption and prefix caching in play, and most drafts are kept."""
     folder = tiny_model_factory(model)
     prompts = token_prompts(6, seed=5)
     prompts += [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + [5, 6, 7]}]
     params = [SamplingParams(max_tokens=30, temperature=0.0), SamplingParams(max_tokens=30, temperature=0.8, seed=9, n=2)]
     jobs = [params[i % 2] for i in range(len(prompts))]
-    tight = dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=32)
+    tight = dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype)
     reference = tiny_llm(folder, **tight).generate(prompts, jobs, use_tqdm=False)
     llm = tiny_llm(folder, speculative_config=DRAFT_SELF, **tight)
     outputs = llm.generate(prompts, jobs, use_tqdm=False)
@@ -347,21 +347,6 @@ def test_self_draft_shares_the_targets_kv_cache(tiny_model_factory):
     assert first_passes and all(n == 1 for lens in first_passes[1:] for n in lens)  # after the prompts' steps: one token
     other = tiny_llm(folder, speculative_config={**DRAFT_SELF, "model": tiny_model_factory("llama_mqa_tied")})
     assert other.llm_engine.executor.worker.drafter.runner.attn_layers[0].k_cache is not other.llm_engine.executor.worker.runner.attn_layers[0].k_cache
-
-
-def test_self_draft_on_an_int8_kv_cache(tiny_model_factory):
-    """The shared cache quantized (int8 with per-row scales, which the draft writes too): greedy and seeded
-    sampling as without speculation, through preemption."""
-    folder = tiny_model_factory("llama_gqa")
-    prompts = token_prompts(6, seed=5)
-    params = [SamplingParams(max_tokens=30, temperature=0.0), SamplingParams(max_tokens=30, temperature=0.8, seed=9, n=2)]
-    jobs = [params[i % 2] for i in range(len(prompts))]
-    tight = dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=32, kv_cache_dtype="int8")
-    reference = tiny_llm(folder, **tight).generate(prompts, jobs, use_tqdm=False)
-    llm = tiny_llm(folder, speculative_config=DRAFT_SELF, **tight)
-    assert_same_outputs(reference, llm.generate(prompts, jobs, use_tqdm=False))
-    assert llm.llm_engine.stats().num_preemptions > 0
-    assert_no_blocks_held(llm)
 
 
 def test_greedy_draft_passes_take_the_argmax_without_the_sampler(tiny_model_factory, monkeypatch):
