@@ -618,7 +618,7 @@ struct NextTilePlan {
   int64_t steps = 1;
 };
 
-// y [M, N] in T: y[m, n] = out[m, n] * (scale ? scale[n] : 1) + bias[n], rounded once, with
+// y [M, N] in T: y[m, n] = out[m, n] * (scale ? scale[n] : 1) + bias[n] (bias empty: none), rounded once, with
 // tile(t, m, rows, out, prefetch) computing a tile's sums for `rows` (<= max_rows) rows of x from
 // row m into out [rows, kTileN] (and asking for what `prefetch` says). Tiles hold tile_bytes of
 // weights each; tasks get at least ~64 KB of them, so a decode step's small layers are not cut into crumbs.
@@ -628,6 +628,7 @@ at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t tile_bytes, int max
   const int64_t M = x.size(0), tiles = (N + kTileN - 1) / kTileN;
   at::Tensor y = at::empty({M, N}, x.options());
   T* yp = y.data_ptr<T>();
+  const float* bp = bias.empty() ? nullptr : bias.data();
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(tile_bytes, 1));
   // With two passes or more, each pass asks for an equal span of the next tile (TilePrefetch): the
   // same rate for every pass, only where its span starts differs.
@@ -655,14 +656,15 @@ at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t tile_bytes, int max
           for (int i = 0; i < rows; ++i)
             for (int v = 0; v < kTileN; v += W) {
               const Vec sum = Vec::load(out + i * kTileN + v);
-              store(yp + (m + i) * N + n + v, (scale ? sum * Vec::load(scale + n + v) : sum) + Vec::load(bias.data() + n + v));
+              const Vec y = scale ? sum * Vec::load(scale + n + v) : sum;
+              store(yp + (m + i) * N + n + v, bp ? y + Vec::load(bp + n + v) : y);
             }
           continue;
         }
 #endif
         for (int i = 0; i < rows; ++i)
           for (int r = 0; r < cols; ++r)
-            yp[(m + i) * N + n + r] = static_cast<T>(out[i * kTileN + r] * (scale ? scale[n + r] : 1.f) + bias[n + r]);
+            yp[(m + i) * N + n + r] = static_cast<T>(out[i * kTileN + r] * (scale ? scale[n + r] : 1.f) + (bp ? bp[n + r] : 0.f));
       }
     }
   });

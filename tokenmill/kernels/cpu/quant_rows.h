@@ -43,15 +43,13 @@ std::vector<float> rows_as_float(const at::Tensor& x) {
   return out;
 }
 
-// The bias [N] as float32, zeros without one; op names the caller in the error.
+// The bias [N] as float32, empty without one (no zeros to allocate and add: an LM head's N is 49,152);
+// op names the caller in the error.
 inline std::vector<float> bias_as_float(const std::optional<at::Tensor>& bias, int64_t N, const char* op) {
-  std::vector<float> out(N, 0.f);
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must be [out_features]");
-    const at::Tensor b = bias->to(at::kFloat).contiguous();
-    std::copy(b.data_ptr<float>(), b.data_ptr<float>() + N, out.begin());
-  }
-  return out;
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must be [out_features]");
+  const at::Tensor b = bias->to(at::kFloat).contiguous();
+  return std::vector<float>(b.data_ptr<float>(), b.data_ptr<float>() + N);
 }
 
 // y[m, n] = row_dot(x rows m.., weight row n) + bias[n], rounded once to T. The work is split over
@@ -62,7 +60,7 @@ at::Tensor linear_rows(const at::Tensor& x, const std::vector<float>& xf, int64_
   const int64_t M = x.size(0), K = x.size(1);
   const float* xp = xf.data();
   const std::vector<float> biasf = bias_as_float(bias, N, op);
-  const float* bp = biasf.data();
+  const float* bp = biasf.empty() ? nullptr : biasf.data();
   at::Tensor y = at::empty({M, N}, x.options());
   T* yp = y.data_ptr<T>();
   // A task of at least ~64 KB of weights, so a decode step's small layers are not cut into crumbs.
@@ -73,7 +71,7 @@ at::Tensor linear_rows(const at::Tensor& x, const std::vector<float>& xf, int64_
       for (int64_t m = 0; m < M; m += kRowsPerPass) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, M - m));
         row_dot(n, m, rows, xp + m * K, sums);
-        for (int i = 0; i < rows; ++i) yp[(m + i) * N + n] = static_cast<T>(sums[i] + bp[n]);
+        for (int i = 0; i < rows; ++i) yp[(m + i) * N + n] = static_cast<T>(bp ? sums[i] + bp[n] : sums[i]);
       }
     }
   });
