@@ -231,6 +231,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def uses_penalties(self) -> bool:
+        """Presence, frequency or repetition penalty: the sampler reads the token history."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def num_sequences(self) -> int:
         """How many sequences are generated (best_of, or n); the best n are returned."""
         return self.best_of or self.n

@@ -68,18 +68,15 @@ class ScheduledChunk:
         nothing that may change a greedy choice (allowed tokens, logit bias, penalties, bad words, a
         min_tokens ban past this row), so a proposer may take that argmax without the sampler."""
         params = self.sampling_params
-        return (params.temperature == 0.0 and params.allowed_token_ids is None and not params.logit_bias
-                and not self.bad_words_token_ids and self.output_index + 1 >= params.min_tokens
-                and not (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0))
+        return (params.is_greedy and params.allowed_token_ids is None and not params.logit_bias and not params.uses_penalties
+                and not self.bad_words_token_ids and self.output_index + 1 >= params.min_tokens)
 
     def after_drafts(self, drafts: list[int], i: int) -> "ScheduledChunk":
         """This decode chunk as it would be once drafts[:i] are generated: drafts[i - 1] at the next
         position, sampling output token output_index + i (its random stream, its min_tokens ban, and the
         history its penalties and bad words read)."""
         params = self.sampling_params
-        reads_history = bool(self.bad_words_token_ids) or bool(
-            params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-        )
+        reads_history = bool(self.bad_words_token_ids) or params.uses_penalties
         return replace(
             self,
             token_ids=[drafts[i - 1]],

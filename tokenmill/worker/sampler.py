@@ -196,9 +196,7 @@ class SamplingMetadata:
             meta.bias_rows, meta.bias_cols = t(rows, torch.int64), t(cols, torch.int64)
             meta.bias_values = t(values, torch.float32)
 
-        penalized = [
-            i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-        ]
+        penalized = [i for i, p in enumerate(params) if p.uses_penalties]
         if penalized:
             meta.presence_penalty = t([p.presence_penalty for p in params], torch.float32)
             meta.frequency_penalty = t([p.frequency_penalty for p in params], torch.float32)
