@@ -41,10 +41,11 @@ class _CountedRuns:
     """A C++ decode program's stand-in that counts its runs."""
 
     def __init__(self, program) -> None:
-        self.program, self.runs = program, 0
+        self.program, self.runs, self.tree_runs = program, 0, 0
 
     def run(self, *args):
         self.runs += 1
+        self.tree_runs += args[-2] is not None  # tree_start: a token tree's rows in the batch
         return self.program.run(*args)
 
 
@@ -54,13 +55,13 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def _assert_program_computes_what_forward_does(llm: LLM, native: bool) -> None:
+def _assert_program_computes_what_forward_does(llm: LLM, native: bool, num_prompts: int = 3) -> _CountedRuns | None:
     """The C++ decode program (where native), the Python one and the layers' forward give the same tokens and
-    logprobs, and plain decode batches take the programs."""
+    logprobs, and plain decode batches take the programs; returns the C++ program's run counts (where native)."""
     model = llm.llm_engine.executor.driver_runner.model.model
     # Repeating prompts, so n-gram lookup finds drafts; three requests, so decode batches have several rows. No
     # prefix caching: the second run computes its prompts as the first did.
-    prompts = [p * 3 for p in random_prompts([1, 5, 7], seed=3)]
+    prompts = [p * 3 for p in random_prompts([1, 5, 7], seed=3)][:num_prompts]
     with_program = _run(llm, prompts)
     assert model.decode_program is not None, "plain decode batches did not take the decode program"
     assert (model.native_decode is not None) == native
@@ -74,6 +75,7 @@ def _assert_program_computes_what_forward_does(llm: LLM, native: bool) -> None:
         assert counted.runs == runs
     model.use_decode_program = False
     assert _run(llm, prompts) == with_program
+    return counted if native else None
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -82,6 +84,22 @@ def test_decode_program_computes_what_forward_does(case, tiny_model_factory):
     _assert_program_computes_what_forward_does(
         LLM(model=tiny_model_factory(name), **{"dtype": "float32", "block_size": 4, "num_kv_blocks": 256, "enable_prefix_caching": False, **options}),
         native)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_program_takes_token_trees(dtype, tiny_model_factory, tmp_path):
+    """Medusa token trees' verifying passes (the tree's rows with their masks) take the C++ program, with the same
+    tokens and logprobs as the layers' forward (plain rows beside tree rows: test_decode_attention_block_is_its_parts)."""
+    from test_medusa import heads_folder, model_dims, random_heads, target_lm_head
+
+    folder = tiny_model_factory("llama_gqa")
+    hidden, vocab = model_dims(folder)
+    heads = heads_folder(tmp_path, random_heads(hidden, vocab, num_heads=3, lm_head=target_lm_head(folder)))
+    # One request and a 4-node tree: 5 rows, within what dense_linear (and so the C++ program) takes on every CPU.
+    spec = {"method": "medusa", "model": heads, "tree_width": 2, "num_speculative_tokens": 2, "disable_by_batch_size": None}
+    llm = LLM(model=folder, dtype=dtype, num_kv_blocks=64, enable_prefix_caching=False, speculative_config=spec)
+    counted = _assert_program_computes_what_forward_does(llm, native=True, num_prompts=1)
+    assert counted.tree_runs > 0, "no tree verification took the C++ program"
 
 
 @pytest.mark.parametrize("quant,native", [(mixed_type, False), (QT.Q8_0, True)], ids=["mixed", "Q8_0"])
@@ -124,12 +142,14 @@ def test_native_decode_program_off_by_environment(tiny_model_factory, monkeypatc
     assert model.decode_program is not None
 
 
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                (torch.bfloat16, torch.int8), (torch.float32, torch.float8_e4m3fn)], ids=str)
-def test_decode_attention_block_is_its_parts(dtype, cache_dtype, window):
+def test_decode_attention_block_is_its_parts(dtype, cache_dtype, window, tree):
     """decode_attention_block (the program's one op for a layer's attention) equals rotary, the KV write and
-    paged_decode_attention called one after another, bit for bit, caches and scales included."""
+    paged_decode_attention called one after another, bit for bit, caches and scales included, and with a token
+    tree's rows (tree_start / tree_mask) as well."""
     gen = torch.Generator().manual_seed(0)
     T, H, Hkv, D, NB, BS = 3, 4, 2, 64, 8, 4
     qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen).to(dtype)
@@ -141,6 +161,8 @@ def test_decode_attention_block_is_its_parts(dtype, cache_dtype, window):
     positions = torch.tensor([4, 7, 2])  # the context is 0..position: the new token at slot block_table[pos // BS] * BS + pos % BS
     slots = block_table.gather(1, (positions // BS)[:, None]).squeeze(1) * BS + positions % BS
     rows = torch.arange(T)
+    # Row 1 a tree node whose tree starts at slot 5 and that sees slots 5 and 7 (itself), not 6; the others plain.
+    tree_args = (torch.tensor([5, 5, 3]), torch.tensor([0, 0b101, 0])) if tree else (None, None)
 
     def run(fused: bool):
         q_k_v, (k_cache, v_cache) = qkv.clone(), [c.clone() for c in caches]
@@ -148,7 +170,7 @@ def test_decode_attention_block_is_its_parts(dtype, cache_dtype, window):
         ops = torch.ops.tokenmill_cpu
         if fused:
             out = ops.decode_attention_block(q_k_v, H, Hkv, cos, sin, k_cache, v_cache, k_scale, v_scale, slots, rows, block_table,
-                                             positions, window, D**-0.5)
+                                             positions, window, D**-0.5, *tree_args)
         else:
             q, k, v = (t.view(T, -1, D) for t in q_k_v.split([H * D, Hkv * D, Hkv * D], dim=1))
             ops.rotary(q, k, cos, sin)
@@ -157,7 +179,8 @@ def test_decode_attention_block_is_its_parts(dtype, cache_dtype, window):
             else:
                 ops.write_kv_quantized(k_cache, v_cache, k_scale, v_scale, k, v, slots)
             out = q.new_empty(q.shape)
-            ops.paged_decode_attention(out, q.contiguous(), k_cache, v_cache, rows, block_table, positions, window, D**-0.5, k_scale, v_scale)
+            ops.paged_decode_attention(out, q.contiguous(), k_cache, v_cache, rows, block_table, positions, window, D**-0.5, k_scale, v_scale,
+                                       0, None, None, *tree_args)
             out = out.view(T, H * D)
         return out, q_k_v, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale
 

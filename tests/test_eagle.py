@@ -154,7 +154,7 @@ def test_trained_head_is_accepted_and_changes_nothing(tiny_model_factory, tmp_pa
     prompts[0] = {"prompt_token_ids": [7] * 32 + [3]}
     prompts.append({"prompt_token_ids": [7] * 32 + [1, 2]})  # shares 32 tokens: a prefix-cache hit skips them
     config = EagleTrainingConfig(max_tokens=24, epochs=40, tokens_per_step=512, lr=1e-2, held_out=0.0, noise=0.0,
-                                 token_loss_weight=1.0, draft_vocab=200)
+                                 token_loss_weight=1.0, draft_vocab=200, extra_samples=0)
     head, report = train_eagle_head(tiny_llm(folder), prompts, config, use_tqdm=False)
     assert report.num_sequences == 9 and report.losses[-1] < report.losses[0] / 3
     path = head_folder(tmp_path, head)
@@ -168,6 +168,7 @@ def test_trained_head_is_accepted_and_changes_nothing(tiny_model_factory, tmp_pa
     assert_same_outputs(reference, outputs)
     stats = llm.llm_engine.stats().spec_decode
     assert stats.accepted_per_pos[0] > 0.6 * stats.num_drafts, stats  # the first draft is mostly right
+    assert llm.llm_engine.executor.worker.drafter.draft.decode_steps is not None  # its passes took the decode program
     assert stats.accepted_per_pos[1] > 0  # and chained drafts are kept too
     assert_no_blocks_held(llm)
 
@@ -178,6 +179,19 @@ def test_trained_head_is_accepted_and_changes_nothing(tiny_model_factory, tmp_pa
     tree_stats = tree.llm_engine.stats().spec_decode
     assert tree_stats.num_accepted_tokens >= stats.num_accepted_tokens and tree_stats.accepted_per_pos[2] > 0, tree_stats
     assert_no_blocks_held(tree)
+
+
+def test_labels_are_the_targets_most_likely_tokens():
+    """set_labels: a row's label is the argmax of the LM head at the next state (what a greedy target keeps),
+    not the token the generation sampled there, computed a few rows at a time across sequences."""
+    from tokenmill.training.eagle import _Sequence, set_labels
+
+    gen = torch.Generator().manual_seed(0)
+    lm_head = torch.randn(50, 8, generator=gen)
+    sequences = [_Sequence(torch.randn(n + 1, 8, generator=gen), torch.zeros(n + 2, dtype=torch.int64), 0) for n in (3, 1, 6)]
+    set_labels(sequences, lm_head, fast_bf16=False, rows_per_matmul=4)
+    for seq in sequences:
+        assert seq.labels.tolist() == (seq.states[1:] @ lm_head.T).argmax(-1).tolist()
 
 
 def test_learning_rate_warms_up_then_decays_to_its_floor():

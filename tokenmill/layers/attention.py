@@ -327,7 +327,7 @@ class Attention(nn.Module):
         return torch.ops.tokenmill_cpu.decode_attention_block.default(
             qkv, self.num_heads, self.num_kv_heads, cos, sin, self.k_cache, self.v_cache, None if scales is None else scales.k,
             None if scales is None else scales.v, batch.slot_mapping, token_rows, group.block_table, positions, self.sliding_window or 0,
-            self.scale,
+            self.scale, group.tree_start, group.tree_mask,
         )
 
     def plain_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchInputs, group: AttentionGroup) -> torch.Tensor:

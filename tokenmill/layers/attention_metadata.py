@@ -123,12 +123,13 @@ class BatchInputs:
                            move(self.seq_lens), move(self.block_tables), move(self.logits_indices), groups, self.block_size, self.num_tokens)
 
     def plain_decode_group(self) -> AttentionGroup | None:
-        """The batch's one group when it is nothing but plain decodes (a token per request, attended without
-        a shared-prefix cascade or a token tree), in the step's row order; None for any other batch."""
+        """The batch's one group when it is nothing but plain decodes (a token per row, attended without a
+        shared-prefix cascade; a token tree's rows among them carry their tree_start / tree_mask), in the
+        step's row order; None for any other batch."""
         if len(self.attn_groups) != 1:
             return None
         group = self.attn_groups[0]
-        if group.token_index.shape[1] != 1 or group.shared_prefix is not None or group.tree_start is not None:
+        if group.token_index.shape[1] != 1 or group.shared_prefix is not None:
             return None
         return group
 

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tokenmill.layers.attention import CpuPagedAttention
 from tokenmill.layers.attention_metadata import BatchInputs
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -42,6 +43,7 @@ class EagleDraftModel(nn.Module):
         self.layers[0].input_layernorm = nn.Identity()
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary_emb = RotaryEmbedding(config, head_dim, ctx.max_position or config.max_position_embeddings)
+        self.decode_steps: list | None = None  # the layers' plain_decode_step, built on the first plain decode batch
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         """The guessed target states [T, hidden] of rows reading these token embeddings [T, hidden] and
@@ -49,8 +51,17 @@ class EagleDraftModel(nn.Module):
         hidden = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, batch)
+        group = batch.plain_decode_group()
+        if group is not None and self.layers[0].self_attn.attn.backend is CpuPagedAttention:
+            # Every draft pass is decode rows (a request's pending rows, then one row each): the layers' decode
+            # program (models/llama.py), the same ops without forward's lookups and checks.
+            if self.decode_steps is None:
+                self.decode_steps = [layer.plain_decode_step() for layer in self.layers]
+            for step in self.decode_steps:
+                hidden, residual = step(hidden, residual, cos, sin, batch, group)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer.forward(hidden, residual, cos, sin, batch)
         return hidden + residual  # EAGLE-1/2 have no final norm: the target's LM head (after its norm) reads this
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

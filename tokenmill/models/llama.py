@@ -127,7 +127,9 @@ class LlamaDecoderLayer(nn.Module):
         calls in the same order as forward, so the same numbers."""
         attn, mlp = self.self_attn, self.mlp
         norm_1, norm_2 = self.input_layernorm, self.post_attention_layernorm
-        weight_1, eps_1, weight_2, eps_2 = norm_1.weight, norm_1.eps, norm_2.weight, norm_2.eps
+        # No input norm (an EAGLE head's first layer, models/eagle.py): the layer reads the residual stream as it is.
+        weight_1, eps_1 = getattr(norm_1, "weight", None), getattr(norm_1, "eps", 0.0)
+        weight_2, eps_2 = norm_2.weight, norm_2.eps
         qkv, o_proj = attn.qkv_proj.decode_call(), attn.o_proj.decode_call()
         gate_up, down = mlp.gate_up_proj.decode_call(), mlp.down_proj.decode_call()
         sizes, num_heads, num_kv_heads, head_dim = attn.qkv_proj.output_sizes, attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -138,7 +140,7 @@ class LlamaDecoderLayer(nn.Module):
         def step(hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: BatchInputs,
                  group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
             if residual is None:
-                residual, x = hidden, rms_norm(hidden, weight_1, eps_1)
+                residual, x = hidden, hidden if weight_1 is None else rms_norm(hidden, weight_1, eps_1)
             else:
                 x = add_rms_norm(residual, hidden, weight_1, eps_1)
             if q_norm is None:  # rotary, the KV write and the attention in one op
@@ -216,7 +218,8 @@ class LlamaModel(nn.Module):
             if native is not None and self.use_native_decode and hidden.shape[0] <= native.max_rows:
                 # All layers in one call: the same ops in the same order, without Python between them.
                 token_rows, query_pos = group.decode_rows_and_positions()
-                hidden, residual = native.program.run(hidden, cos, sin, batch.slot_mapping, token_rows, group.block_table, query_pos)
+                hidden, residual = native.program.run(hidden, cos, sin, batch.slot_mapping, token_rows, group.block_table, query_pos,
+                                                      group.tree_start, group.tree_mask)
             else:
                 for step in self.decode_program:
                     hidden, residual = step(hidden, residual, cos, sin, batch, group)

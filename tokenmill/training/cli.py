@@ -69,7 +69,7 @@ def add_train_eagle_parser(sub, add_engine_args: Callable[[argparse.ArgumentPars
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--tokens-per-step", type=int, default=defaults.tokens_per_step, help="positions per optimizer step")
     parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
-                        help="tokens the drafts may take, the most frequent in the generated text (0: the whole vocabulary)")
+                        help="tokens the drafts may take, the model's most frequent choices in the generated text (0: the whole vocabulary)")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (warm-up, then cosine decay)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     add_engine_args(parser)

@@ -97,12 +97,12 @@ def build_batch_inputs(chunks: list[ScheduledChunk], block_size: int, device: to
 
 
 def next_decode_batch(batch: BatchInputs, input_ids: torch.Tensor) -> BatchInputs | None:
-    """A batch of plain decodes (BatchInputs.plain_decode_group) one position further on: input_ids at each
-    request's next position, in the blocks its table already holds (a draft model's next pass, whose
+    """A batch of plain decodes (BatchInputs.plain_decode_group, no token tree) one position further on:
+    input_ids at each request's next position, in the blocks its table already holds (a draft model's next pass, whose
     slots the scheduler reserved), made with a few tensor ops instead of build_batch_inputs' numpy from
     chunks (~0.25 ms a pass of one request). None for any other batch."""
     group = batch.plain_decode_group()
-    if group is None:
+    if group is None or group.tree_start is not None:
         return None
     positions = batch.positions + 1
     blocks = batch.block_tables.gather(1, (positions // batch.block_size)[:, None])[:, 0]

@@ -66,7 +66,7 @@ struct DecodeProgram : torch::CustomClassHolder {
   using AddRmsNorm = Tensor(Tensor, const Tensor&, const Tensor&, double);
   using SiluAndMul = Tensor(const Tensor&);
   using Attention = Tensor(Tensor, int64_t, int64_t, const Tensor&, const Tensor&, Tensor, Tensor, const OptTensor&, const OptTensor&,
-                           const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, double);
+                           const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, double, const OptTensor&, const OptTensor&);
   c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op("tokenmill_cpu::rms_norm").typed<RmsNorm>();
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = find_op("tokenmill_cpu::add_rms_norm").typed<AddRmsNorm>();
   c10::TypedOperatorHandle<SiluAndMul> silu_and_mul = find_op("tokenmill_cpu::silu_and_mul").typed<SiluAndMul>();
@@ -107,9 +107,11 @@ struct DecodeProgram : torch::CustomClassHolder {
   }
 
   // The embeddings -> (the last layer's output, the residual stream before it), as the layers' Python steps
-  // (the first layer's input is the residual stream itself).
+  // (the first layer's input is the residual stream itself). tree_start / tree_mask: a token tree's rows
+  // (AttentionGroup's), or None.
   std::tuple<Tensor, Tensor> run(Tensor hidden, const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping, const Tensor& token_rows,
-                                 const Tensor& block_table, const Tensor& positions) {
+                                 const Tensor& block_table, const Tensor& positions, const OptTensor& tree_start,
+                                 const OptTensor& tree_mask) {
     Tensor residual;
     for (Layer& layer : layers) {
       Tensor x;
@@ -121,7 +123,8 @@ struct DecodeProgram : torch::CustomClassHolder {
       }
       Tensor qkv = linears[layer.qkv](x);
       const Tensor out = attention.call(qkv, layer.num_heads, layer.num_kv_heads, cos, sin, layer.k_cache, layer.v_cache, layer.k_scale,
-                                        layer.v_scale, slot_mapping, token_rows, block_table, positions, layer.window, layer.scale);
+                                        layer.v_scale, slot_mapping, token_rows, block_table, positions, layer.window, layer.scale,
+                                        tree_start, tree_mask);
       x = add_rms_norm.call(residual, linears[layer.o_proj](out), layer.norm_2, layer.eps_2);
       hidden = linears[layer.down](silu_and_mul.call(linears[layer.gate_up](x)));
     }

@@ -681,13 +681,14 @@ void write_kv_quantized(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_sca
 
 // A layer's attention for a batch of plain decodes, from its fused QKV projection's output qkv [T, (H + 2 Hkv) D]:
 // rotary on q and k (in place, pointwise.cpp's op), the new K/V written to their slots (quantized for a quantized
-// cache), then paged_decode_attention; returns [T, H D]. One call where the model made six (a split, rotary,
-// write_kv, an empty output, the attention), each a Python-to-C++ dispatch of ~1-2 us (the decode program,
-// models/llama.py).
+// cache), then paged_decode_attention (a token tree's rows with tree_start / tree_mask); returns [T, H D]. One
+// call where the model made six (a split, rotary, write_kv, an empty output, the attention), each a Python-to-C++
+// dispatch of ~1-2 us (the decode program, models/llama.py).
 at::Tensor decode_attention_block(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, const at::Tensor& cos, const at::Tensor& sin,
                                   at::Tensor k_cache, at::Tensor v_cache, const std::optional<at::Tensor>& k_scale,
                                   const std::optional<at::Tensor>& v_scale, const at::Tensor& slot_mapping, const at::Tensor& token_rows,
-                                  const at::Tensor& block_table, const at::Tensor& positions, int64_t window, double scale) {
+                                  const at::Tensor& block_table, const at::Tensor& positions, int64_t window, double scale,
+                                  const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_mask) {
   TORCH_CHECK(k_cache.dim() == 4, "decode_attention_block: caches must be [Hkv, blocks, block_size, D]");
   const int64_t T = qkv.size(0), H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (H + 2 * Hkv) * D && k_cache.size(0) == Hkv,
@@ -707,7 +708,7 @@ at::Tensor decode_attention_block(at::Tensor qkv, int64_t num_heads, int64_t num
     write_kv(k_cache, v_cache, k, v, slot_mapping);
   at::Tensor out = at::empty({T, H, D}, qkv.options());
   paged_decode_attention(out, q.contiguous(), k_cache, v_cache, token_rows, block_table, positions, window, scale, k_scale, v_scale, 0,
-                         std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+                         std::nullopt, std::nullopt, tree_start, tree_mask);
   return out.view({T, H * D});
 }
 
@@ -729,6 +730,6 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.impl("write_kv_quantized", c10::DispatchKey::CPU, &write_kv_quantized);
   m.def("decode_attention_block(Tensor(a!) qkv, int num_heads, int num_kv_heads, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slot_mapping, Tensor token_rows, Tensor block_table, "
-        "Tensor positions, int window, float scale) -> Tensor");
+        "Tensor positions, int window, float scale, Tensor? tree_start=None, Tensor? tree_mask=None) -> Tensor");
   m.impl("decode_attention_block", c10::DispatchKey::CPU, &decode_attention_block);
 }
