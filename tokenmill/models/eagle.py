@@ -26,6 +26,7 @@ from torch import nn
 from tokenmill.layers.attention import CpuPagedAttention
 from tokenmill.layers.attention_metadata import BatchInputs
 from tokenmill.layers.build_context import ModelBuildContext
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.models.weights import load_named_weights
@@ -37,7 +38,9 @@ class EagleDraftModel(nn.Module):
         self.draft_vocab = draft_vocab  # token ids the drafts may take (None: all)
         config = ctx.hf_config
         self.hidden_size = config.hidden_size
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias).requires_grad_(False)
+        # tokenmill's Linear (not nn.Linear): its CPU method multiplies decode rows in dense_linear, where torch's
+        # bf16 addmm took ~280 us a call for this 1,152 x 576 weight at a draft pass's few rows.
+        self.fc = Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias, ctx=ctx, prefix="fc")
         self.layers = nn.ModuleList(LlamaDecoderLayer(ctx, i, f"layers.{i}") for i in range(config.num_hidden_layers))
         # EAGLE's first layer reads fc's output as it is: fc already scales the two halves.
         self.layers[0].input_layernorm = nn.Identity()
@@ -48,7 +51,7 @@ class EagleDraftModel(nn.Module):
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         """The guessed target states [T, hidden] of rows reading these token embeddings [T, hidden] and
         the (target's or guessed) states of the positions before them [T, hidden]."""
-        hidden = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
+        hidden = self.fc.forward(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         residual = None
         group = batch.plain_decode_group()
