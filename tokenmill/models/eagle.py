@@ -23,12 +23,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tokenmill.layers.attention import CpuPagedAttention
 from tokenmill.layers.attention_metadata import BatchInputs
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from tokenmill.models.llama import LlamaDecoderLayer, LlamaForCausalLM, decode_program_enabled, decode_program_group
 from tokenmill.models.weights import load_named_weights
 
 
@@ -46,6 +45,7 @@ class EagleDraftModel(nn.Module):
         self.layers[0].input_layernorm = nn.Identity()
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary_emb = RotaryEmbedding(config, head_dim, ctx.max_position or config.max_position_embeddings)
+        self.use_decode_program = decode_program_enabled()  # as the target's (TOKENMILL_DECODE_PROGRAM=0: off)
         self.decode_steps: list | None = None  # the layers' plain_decode_step, built on the first plain decode batch
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
@@ -54,8 +54,8 @@ class EagleDraftModel(nn.Module):
         hidden = self.fc.forward(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         residual = None
-        group = batch.plain_decode_group()
-        if group is not None and self.layers[0].self_attn.attn.backend is CpuPagedAttention:
+        group = decode_program_group(batch, self.layers, self.use_decode_program)
+        if group is not None:
             # Every draft pass is decode rows (a request's pending rows, then one row each): the layers' decode
             # program (models/llama.py), the same ops without forward's lookups and checks.
             if self.decode_steps is None:

@@ -34,6 +34,19 @@ class NativeDecodeProgram:
     k_cache: torch.Tensor  # layer 0's, as registered
 
 
+def decode_program_enabled() -> bool:
+    """Whether decode programs may run (DECODE_PROGRAM_ENV not "0")."""
+    return os.environ.get(DECODE_PROGRAM_ENV, "1") != "0"
+
+
+def decode_program_group(batch: BatchInputs, layers: nn.ModuleList, enabled: bool) -> AttentionGroup | None:
+    """The batch's plain decode group (BatchInputs.plain_decode_group) when a decode program of these layers
+    may run it: enabled, and the layers on the CPU kernels' attention; None otherwise."""
+    if not enabled or layers[0].self_attn.attn.backend is not CpuPagedAttention:
+        return None
+    return batch.plain_decode_group()
+
+
 def sliding_window_for_layer(config, layer_idx: int) -> int | None:
     window = getattr(config, "sliding_window", None)
     if not window:
@@ -194,7 +207,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, head_dim, ctx.max_position or config.max_position_embeddings, ctx.rope_freq_factors)
         # See forward; TOKENMILL_DECODE_PROGRAM=0 runs every batch through the layers' forward, =python keeps the
         # C++ program off (to measure the programs).
-        self.use_decode_program = os.environ.get(DECODE_PROGRAM_ENV, "1") != "0"
+        self.use_decode_program = decode_program_enabled()
         self.use_native_decode = os.environ.get(DECODE_PROGRAM_ENV, "1") != "python"
         self.decode_program: list[Callable] | None = None
         self.native_decode: NativeDecodeProgram | None = None
@@ -203,8 +216,8 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         residual = None
-        group = batch.plain_decode_group()
-        if group is not None and self.use_decode_program and self.layers[0].self_attn.attn.backend is CpuPagedAttention:
+        group = decode_program_group(batch, self.layers, self.use_decode_program)
+        if group is not None:
             # A decode program: each layer's forward with its lookups done once (built on the first such
             # batch, after the weights are loaded and processed) and its attention in one op. SmolLM2 (30
             # layers), one request, Zen 5, bf16: 8.19 -> 6.83 ms a token against forward's module calls,
