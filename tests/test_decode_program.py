@@ -159,10 +159,14 @@ def test_decode_attention_block_is_its_parts(dtype, cache_dtype, window, tree):
     scales = KVScales.allocate(cache_dtype, (Hkv, NB, BS, D), torch.device("cpu"))
     block_table = torch.tensor([[1, 2], [3, 4], [5, 6]])
     positions = torch.tensor([4, 7, 2])  # the context is 0..position: the new token at slot block_table[pos // BS] * BS + pos % BS
-    slots = block_table.gather(1, (positions // BS)[:, None]).squeeze(1) * BS + positions % BS
-    rows = torch.arange(T)
-    # Row 1 a tree node whose tree starts at slot 5 and that sees slots 5 and 7 (itself), not 6; the others plain.
+    # Row 1 a tree node whose tree starts at slot 5 and that sees slots 5 and 7 (itself), not 6: depth 2, so at
+    # position 6 (tree_start - 1 + depth), its token in slot 7; the others plain.
     tree_args = (torch.tensor([5, 5, 3]), torch.tensor([0, 0b101, 0])) if tree else (None, None)
+    in_table = positions.clone()  # each row's own slot, as an index into its block table
+    if tree:
+        positions = torch.tensor([4, 6, 2])
+    slots = block_table.gather(1, (in_table // BS)[:, None]).squeeze(1) * BS + in_table % BS
+    rows = torch.arange(T)
 
     def run(fused: bool):
         q_k_v, (k_cache, v_cache) = qkv.clone(), [c.clone() for c in caches]

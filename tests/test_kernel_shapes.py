@@ -225,3 +225,38 @@ def test_paged_decode_attention_with_token_trees(dtype, head_dim, group, window)
     cpu.paged_decode_attention(out, i["q"], i["k_cache"], i["v_cache"], i["token_rows"], i["block_table"], i["positions"],
                                window, i["scale"], tree_start=i["tree_start"], tree_mask=i["tree_mask"])
     torch.testing.assert_close(out.float(), want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 2), (24, 3)], ids=["D64-G3", "D128-G2", "D24-G3"])
+@pytest.mark.parametrize("window", [None, 30])
+def test_tree_rows_are_bit_equal_to_their_chains(dtype, head_dim, group, window):
+    """A tree node's row is the plain decode row of the chain through its ancestors, bit for bit: the same
+    K/V at consecutive positions after the same context (so a kept path is what decoding without
+    speculation computes, in every dtype, on the fixed-size, generic and scalar paths)."""
+    i, _ = tree_attention_case(dtype, head_dim, group, window)
+    out = torch.zeros_like(i["q"])
+    cpu.paged_decode_attention(out, i["q"], i["k_cache"], i["v_cache"], i["token_rows"], i["block_table"], i["positions"],
+                               window, i["scale"], tree_start=i["tree_start"], tree_mask=i["tree_mask"])
+    block = i["k_cache"].shape[2]
+    checked = 0
+    for r in range(len(i["token_rows"])):
+        mask, start, pos = int(i["tree_mask"][r]), int(i["tree_start"][r]), int(i["positions"][r])
+        if not mask:
+            continue
+        table = i["block_table"][r]
+        chain = list(range(start)) + [start + j for j in range(64) if (mask >> j) & 1]
+        slots = torch.tensor([int(table[p // block]) * block + p % block for p in chain])
+        k = i["k_cache"].flatten(1, 2)[:, slots]  # [Hkv, len, D]: the chain's K at consecutive positions
+        v = i["v_cache"].flatten(1, 2)[:, slots]
+        blocks = -(-len(chain) // block)
+        k_chain = torch.zeros(k.shape[0], blocks * block, head_dim, dtype=dtype)
+        v_chain = torch.zeros_like(k_chain)
+        k_chain[:, : len(chain)], v_chain[:, : len(chain)] = k, v
+        got = torch.zeros_like(i["q"][r : r + 1])
+        cpu.paged_decode_attention(got, i["q"][r : r + 1].contiguous(), k_chain.view(k.shape[0], blocks, block, head_dim),
+                                   v_chain.view(k.shape[0], blocks, block, head_dim), torch.tensor([0]),
+                                   torch.arange(blocks)[None], torch.tensor([pos]), window, i["scale"])
+        assert torch.equal(got[0], out[r]), f"tree row {r} (depth {bin(mask).count('1')}) differs from its chain"
+        checked += 1
+    assert checked > 60

@@ -23,12 +23,15 @@
 //
 // Token trees (speculative decoding, Medusa/EAGLE): a tree node's query row sees the context before
 // the tree and its ancestors in the tree only. A request's tree nodes sit in consecutive cache slots
-// from tree_start[b]; tree_mask[b] has bit j set when slot tree_start[b] + j is visible to row b (its
-// ancestors and itself). The row's scores are computed over the slots up to its own, as for a chain,
-// and the tree slots it must not see get -inf before the softmax (exp gives them 0): at most 64 extra
-// rows, so no second walk over the context is needed. positions[b] is the node's position (its depth
-// after the tree's root, as RoPE saw it), which the sliding window counts from; a row with mask 0 is
-// a plain decode.
+// from tree_start[b] (the position after the tree's root); tree_mask[b] has bit j set when slot
+// tree_start[b] + j is visible to row b (its ancestors and itself, so its depth is the mask's bit
+// count and positions[b] = tree_start[b] - 1 + depth, the position RoPE saw). The row is computed as
+// the plain decode at positions[b] of the chain through its ancestors: positions tree_start[b] ..
+// positions[b] are read from the ancestors' slots in depth order (ContextRows' tail), so every sum
+// runs over the same values in the same order as that chain's row, and a kept path's tokens are
+// bit for bit what decoding without speculation computes (masking the other nodes' slots instead
+// shifted the ancestors' lanes and bf16 pairs: SmolLM2's greedy output drifted in bf16). A row with
+// mask 0 is a plain decode.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -154,18 +157,31 @@ inline float exp_sum(float* x, int64_t n, float m) {
 // 660 and 505 to 438 (per-step alternation in one engine run).
 constexpr int64_t kPrefetchBlocks = 2;
 
+// Where a row's context positions lie in the cache: position t in block blocks[t / BS] at t % BS,
+// except a token-tree node's last positions, from tail_start on, which are its ancestors' slots:
+// cache row tail_rows[t - tail_start] (see the top).
+struct ContextRows {
+  const int64_t* blocks;
+  int64_t BS;
+  int64_t tail_start = std::numeric_limits<int64_t>::max();
+  const int64_t* tail_rows = nullptr;
+};
+
 template <typename T, typename F>
-inline void for_each_row(int64_t first, int64_t len, int64_t BS, const int64_t* blocks, const T* head, int64_t D, F&& f) {
-  const int64_t last_block = (len - 1) / BS, block_bytes = BS * D * static_cast<int64_t>(sizeof(T));
-  for (int64_t i = first / BS, t = first; t < len; ++i) {
+inline void for_each_row(int64_t first, int64_t len, const ContextRows& where, const T* head, int64_t D, F&& f) {
+  const int64_t* blocks = where.blocks;
+  const int64_t BS = where.BS, paged_len = std::min(len, where.tail_start);
+  const int64_t last_block = (paged_len - 1) / BS, block_bytes = BS * D * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = first / BS, t = first; t < paged_len; ++i) {
     if (i + kPrefetchBlocks <= last_block) {
       const char* ahead = reinterpret_cast<const char*>(head + blocks[i + kPrefetchBlocks] * BS * D);
       for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
     }
     const int64_t base = blocks[i] * BS - i * BS;  // cache row of position t is base + t
-    const int64_t stop = std::min(len, (i + 1) * BS);
+    const int64_t stop = std::min(paged_len, (i + 1) * BS);
     for (; t < stop; ++t) f(base + t, t);
   }
+  for (int64_t t = std::max(first, paged_len); t < len; ++t) f(where.tail_rows[t - where.tail_start], t);
 }
 
 #if TOKENMILL_SIMD
@@ -195,8 +211,8 @@ using tokenmill_cpu::load_bf16_pairs;
 // kPairs (bf16 only): vdpbf16ps on the raw bf16 query q_bf16 (scaled after, by `scale`) and K rows; else
 // fused multiply-adds on the scaled float32 query qf and K rows widened to float32.
 template <typename scalar_t, int G, int NC, bool kPairs>
-void qk_fixed(const float* qf, const void* q_bf16, float scale, const scalar_t* k_head, RowScales ks, const int64_t* blocks,
-              int64_t first, int64_t len, int64_t BS, float* scores, int64_t n) {
+void qk_fixed(const float* qf, const void* q_bf16, float scale, const scalar_t* k_head, RowScales ks, const ContextRows& where,
+              int64_t first, int64_t len, float* scores, int64_t n) {
   constexpr int D = W * NC;
   constexpr int QV = kPairs ? NC / 2 : NC;  // vectors per row: 32 bf16 in pairs, or 16 float32
   Vec qv[G][QV];
@@ -236,7 +252,7 @@ void qk_fixed(const float* qf, const void* q_bf16, float scale, const scalar_t* 
   alignas(64) float row_scale[W];
   alignas(64) float quad_sums[G][W / 4][W];
   int fill = 0;
-  for_each_row(first, len, BS, blocks, k_head, D, [&](int64_t row, int64_t t) {
+  for_each_row(first, len, where, k_head, D, [&](int64_t row, int64_t t) {
     rows[fill] = k_head + row * D;
     row_scale[fill] = ks[row] * score_scale;
     if (++fill % 4 != 0) return;
@@ -272,15 +288,15 @@ constexpr int pv_panel() {
 }
 
 template <typename scalar_t, int G, int NC>
-void pv_fixed(const float* scores, int64_t n, const scalar_t* v_head, RowScales vs, const int64_t* blocks, int64_t first,
-              int64_t len, int64_t BS, float* out) {
+void pv_fixed(const float* scores, int64_t n, const scalar_t* v_head, RowScales vs, const ContextRows& where, int64_t first,
+              int64_t len, float* out) {
   constexpr int D = W * NC;
   constexpr int P = pv_panel<G, NC>();
   for (int c0 = 0; c0 < NC; c0 += P) {
     Vec acc[G][P];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < P; ++c) acc[g][c] = Vec::zero();
-    for_each_row(first, len, BS, blocks, v_head, D, [&](int64_t row, int64_t t) {
+    for_each_row(first, len, where, v_head, D, [&](int64_t row, int64_t t) {
       const scalar_t* v = v_head + row * D + W * c0;
       Vec vv[P];
       for (int c = 0; c < P; ++c) vv[c] = load_kv(v + W * c);
@@ -318,8 +334,8 @@ inline void pair_probabilities(const float* p, int64_t G, int64_t n, uint32_t* p
 // acc[g] = sum over positions of P[g][t] * V[t] (unquantized bf16 cache), two positions per vdpbf16ps:
 // their V rows interleaved by pairs, their probabilities a broadcast bf16 pair (p2, pair_probabilities).
 template <int G, int NC>
-void pv_pairs(const uint32_t* p2, int64_t n, const c10::BFloat16* v_head, const int64_t* blocks, int64_t first, int64_t len,
-              int64_t BS, float* out) {
+void pv_pairs(const uint32_t* p2, int64_t n, const c10::BFloat16* v_head, const ContextRows& where, int64_t first,
+              int64_t len, float* out) {
   constexpr int D = W * NC;
   const int64_t pairs = (n + 1) / 2;
   Vec acc[G][NC];
@@ -334,7 +350,7 @@ void pv_pairs(const uint32_t* p2, int64_t n, const c10::BFloat16* v_head, const 
       for (int c = 0; c < NC; ++c) acc[g][c] = dp_bf16(acc[g][c], pk, vv[c]);
     }
   };
-  for_each_row(first, len, BS, blocks, v_head, D, [&](int64_t row, int64_t t) {
+  for_each_row(first, len, where, v_head, D, [&](int64_t row, int64_t t) {
     const c10::BFloat16* v = v_head + row * D;
     if (((t - first) & 1) == 0) {
       pending = v;
@@ -350,10 +366,10 @@ void pv_pairs(const uint32_t* p2, int64_t n, const c10::BFloat16* v_head, const 
 #endif
 
 template <typename scalar_t>
-using QkFn = void (*)(const float*, const void*, float, const scalar_t*, RowScales, const int64_t*, int64_t, int64_t, int64_t,
+using QkFn = void (*)(const float*, const void*, float, const scalar_t*, RowScales, const ContextRows&, int64_t, int64_t,
                       float*, int64_t);
 template <typename scalar_t>
-using PvFn = void (*)(const float*, int64_t, const scalar_t*, RowScales, const int64_t*, int64_t, int64_t, int64_t, float*);
+using PvFn = void (*)(const float*, int64_t, const scalar_t*, RowScales, const ContextRows&, int64_t, int64_t, float*);
 
 // The fixed-size passes for G query heads per KV head (1 to 8) and NC vector chunks per head.
 template <typename scalar_t, int NC, int G = 1>
@@ -368,7 +384,7 @@ void pick_fixed(int64_t g, QkFn<scalar_t>& qk, PvFn<scalar_t>& pv) {
 #endif
 
 #if TOKENMILL_BF16_PAIRS
-using PvPairsFn = void (*)(const uint32_t*, int64_t, const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t, float*);
+using PvPairsFn = void (*)(const uint32_t*, int64_t, const c10::BFloat16*, const ContextRows&, int64_t, int64_t, float*);
 
 // The bf16 pairs' passes for G query heads per KV head (1 to 8) and NC float32 vectors per head.
 template <int NC, int G = 1>
@@ -422,11 +438,11 @@ void decode_kernel(
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(G * D), acc(G * D), scores, lse(G);
     std::vector<uint32_t> p2;  // P as bf16 pairs (pv_bf16)
+    int64_t ancestor_rows[64];  // a tree node's ancestors' cache rows, root's child first
     for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const uint64_t mask = tree_mask != nullptr ? static_cast<uint64_t>(tree_mask[b]) : 0;
-      // A tree node reads up to its own slot: the highest bit of its mask (its own).
-      const int64_t len = mask ? tree_start[b] + 64 - __builtin_clzll(mask) : positions[b] + 1;
+      const int64_t len = positions[b] + 1;
       const int64_t first = prefix_len > 0 ? prefix_len : window > 0 ? std::max<int64_t>(0, positions[b] + 1 - window) : 0;
       const int64_t n = len - first;
       scores.resize(G * n);
@@ -437,22 +453,26 @@ void decode_kernel(
       const RowScales ks{k_scale + scale_stride * h * NB * BS, scale_stride};
       const RowScales vs{v_scale + scale_stride * h * NB * BS, scale_stride};
       const int64_t* blocks = block_table + b * MB;
+      ContextRows where{blocks, BS};
+      if (mask) {  // a tree node: its ancestors' slots (and its own), in depth order, are its last positions
+        int depth = 0;
+        for (uint64_t m = mask; m; m &= m - 1) {
+          const int64_t slot = tree_start[b] + __builtin_ctzll(m);
+          ancestor_rows[depth++] = blocks[slot / BS] * BS + slot % BS;
+        }
+        where.tail_start = len - depth;
+        where.tail_rows = ancestor_rows;
+      }
 
 #if TOKENMILL_SIMD
       if (qk != nullptr) {
-        qk(qf.data(), qrow, scale, k_head, ks, blocks, first, len, BS, scores.data(), n);
+        qk(qf.data(), qrow, scale, k_head, ks, where, first, len, scores.data(), n);
       } else
 #endif
       {
-        for_each_row(first, len, BS, blocks, k_head, D, [&](int64_t row, int64_t t) {
+        for_each_row(first, len, where, k_head, D, [&](int64_t row, int64_t t) {
           dot_heads(qf.data(), k_head + row * D, ks[row], G, D, scores.data() + (t - first), n);
         });
-      }
-      if (mask) {  // the tree slots that are not this node's ancestors (or itself)
-        const float ninf = -std::numeric_limits<float>::infinity();
-        for (int64_t t = std::max(first, tree_start[b]); t < len; ++t)
-          if (!((mask >> (t - tree_start[b])) & 1))
-            for (int64_t g = 0; g < G; ++g) scores[g * n + (t - first)] = ninf;
       }
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
@@ -464,17 +484,17 @@ void decode_kernel(
       if (pv_bf16 != nullptr) {
         p2.resize(G * ((n + 1) / 2));
         pair_probabilities(scores.data(), G, n, p2.data());
-        pv_bf16(p2.data(), n, reinterpret_cast<const c10::BFloat16*>(v_head), blocks, first, len, BS, acc.data());
+        pv_bf16(p2.data(), n, reinterpret_cast<const c10::BFloat16*>(v_head), where, first, len, acc.data());
       } else
 #endif
 #if TOKENMILL_SIMD
       if (pv != nullptr) {
-        pv(scores.data(), n, v_head, vs, blocks, first, len, BS, acc.data());
+        pv(scores.data(), n, v_head, vs, where, first, len, acc.data());
       } else
 #endif
       {
         std::fill(acc.begin(), acc.end(), 0.f);
-        for_each_row(first, len, BS, blocks, v_head, D, [&](int64_t row, int64_t t) {
+        for_each_row(first, len, where, v_head, D, [&](int64_t row, int64_t t) {
           axpy_heads(acc.data(), scores.data() + (t - first), n, v_head + row * D, vs[row], G, D);
         });
       }
@@ -539,9 +559,13 @@ void paged_decode_attention(
     const int64_t* ts = t_start.data_ptr<int64_t>();
     const int64_t* tm = t_mask.data_ptr<int64_t>();
     const int64_t* ps = pos.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b)  // a tree node's slots lie in its block table's range
-      TORCH_CHECK(tm[b] == 0 || (ts[b] >= 1 && ts[b] <= ps[b] && ts[b] + 64 - __builtin_clzll(static_cast<uint64_t>(tm[b])) <= table.size(1) * BS),
+    for (int64_t b = 0; b < B; ++b) {  // a tree node's slots lie in its block table's range, its depth bits before its position
+      const uint64_t m = static_cast<uint64_t>(tm[b]);
+      TORCH_CHECK(m == 0 || (ts[b] >= 1 && ts[b] + 64 - __builtin_clzll(m) <= table.size(1) * BS),
                   "paged_decode_attention: a tree row's slots must follow its context, within its block table");
+      TORCH_CHECK(m == 0 || ts[b] - 1 + __builtin_popcountll(m) == ps[b],
+                  "paged_decode_attention: a tree row's position must be tree_start - 1 + its depth (its mask's bit count)");
+    }
   }
   const auto scales = tokenmill_cpu::kv_scale_pointers(k_cache, k_scale, v_scale, "paged_decode_attention");
   tokenmill_cpu::dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto* type_tag) {
