@@ -212,6 +212,30 @@ def test_extra_samples_add_sampled_continuations(tiny_model_factory):
     config = EagleTrainingConfig(max_tokens=8, epochs=1, held_out=0.0, extra_samples=2, draft_vocab=0)
     _, report = train_eagle_head(tiny_llm(tiny_model_factory("llama_gqa")), token_prompts(3, seed=2), config, use_tqdm=False)
     assert report.num_sequences == 9
+    assert report.num_self_prompts == 0  # no chat template to write prompts with (self_prompts=384 by default): skipped
+
+
+def test_the_model_writes_its_own_prompts():
+    """self_written_prompts on SmolLM2: user messages sampled from its chat template's user turn, each ended by
+    the model within the token limit, distinct, seeded, and returned in the chat template as prompts."""
+    from conftest import smollm2_gguf_path
+    from tokenmill import LLM
+    from tokenmill.training.selfdistill import self_written_prompts
+
+    if smollm2_gguf_path() is None:
+        pytest.skip("the embedded default model is not installed")
+    llm = LLM(smollm2_gguf_path(), kv_cache_memory=64 << 20, dtype="float32")
+    prompts = self_written_prompts(llm, 6, seed=3, max_tokens=48)
+    assert 3 <= len(prompts) <= 6
+    texts = [p["prompt"] for p in prompts]
+    assert len(set(texts)) == len(texts)
+    tokenizer = llm.get_tokenizer()
+    for prompt in prompts:
+        message = prompt["prompt"].split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        assert message.strip() and len(tokenizer.encode(message, add_special_tokens=False)) <= 48
+        assert prompt["prompt"].endswith("<|im_start|>assistant\n")
+        assert prompt["prompt_token_ids"] == tokenizer.encode(prompt["prompt"], add_special_tokens=False)
+    assert self_written_prompts(llm, 6, seed=3, max_tokens=48) == prompts
 
 
 def test_train_eagle_command_line(tmp_path, capsys):

@@ -66,6 +66,10 @@ def add_train_eagle_parser(sub, add_engine_args: Callable[[argparse.ArgumentPars
     parser.add_argument("--extra-samples", type=int, default=defaults.extra_samples,
                         help="sampled continuations per prompt besides the one at --temperature (more, varied training data)")
     parser.add_argument("--sample-temperature", type=float, default=defaults.sample_temperature, help="of the extra samples")
+    parser.add_argument("--self-prompts", type=int, default=defaults.self_prompts,
+                        help="user messages the model writes itself (from its chat template's user turn), answered too (0: none)")
+    parser.add_argument("--self-prompt-samples", type=int, default=defaults.self_prompt_samples,
+                        help="sampled answers to each self-written prompt besides the one at --temperature")
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--tokens-per-step", type=int, default=defaults.tokens_per_step, help="positions per optimizer step")
     parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
@@ -83,9 +87,11 @@ def cmd_train_eagle(args: argparse.Namespace) -> None:
 
     _check_at_least(("--num-prompts", args.num_prompts, 1), ("--num-layers", args.num_layers, 1), ("--max-tokens", args.max_tokens, 3),
                     ("--epochs", args.epochs, 1), ("--tokens-per-step", args.tokens_per_step, 1), ("--draft-vocab", args.draft_vocab, 0),
-                    ("--extra-samples", args.extra_samples, 0))
+                    ("--extra-samples", args.extra_samples, 0), ("--self-prompts", args.self_prompts, 0),
+                    ("--self-prompt-samples", args.self_prompt_samples, 0))
     config = EagleTrainingConfig(num_layers=args.num_layers, max_tokens=args.max_tokens, temperature=args.temperature,
-                                 extra_samples=args.extra_samples, sample_temperature=args.sample_temperature, epochs=args.epochs,
+                                 extra_samples=args.extra_samples, sample_temperature=args.sample_temperature,
+                                 self_prompts=args.self_prompts, self_prompt_samples=args.self_prompt_samples, epochs=args.epochs,
                                  tokens_per_step=args.tokens_per_step, lr=args.lr, draft_vocab=args.draft_vocab, seed=args.seed)
     llm = _generating_llm(args, "train-eagle")
     prompts = chat_prompts(llm.get_tokenizer(), args.prompts_file, args.num_prompts)
@@ -93,7 +99,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> None:
     save_eagle_head(head.eagle_state_dict(), {**head.eagle_config(), "base_model_name_or_path": llm.llm_engine.model_name}, args.output)
     accuracy = "n/a" if report.accuracy is None else f"{report.accuracy:.1%} (the draft vocabulary holds {report.vocab_coverage:.1%} of the tokens)"
     print(f"trained an EAGLE head ({args.num_layers} layer(s)) on {report.num_positions} positions of {report.num_sequences} generated "
-          f"sequences (generation {report.generate_s:.0f} s, training {report.train_s:.0f} s); held-out top-1 accuracy of the "
+          f"sequences ({len(prompts)} prompts, {report.num_self_prompts} written by the model; generation {report.generate_s:.0f} s, training {report.train_s:.0f} s); held-out top-1 accuracy of the "
           f"first draft: {accuracy}; written to {args.output}")
     print(f"use it with --speculative-config '{{\"method\": \"eagle\", \"model\": \"{args.output}\", \"num_speculative_tokens\": 3}}'")
 

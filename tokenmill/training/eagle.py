@@ -1,8 +1,9 @@
 """Train an EAGLE draft head for a model on text the model generates itself (self-distillation, as
 EAGLE does), sharing train-medusa's generation (training/selfdistill.py).
 
-1. The engine generates a continuation for each prompt (and extra_samples sampled ones), keeping
-   every computed position's final hidden state f[t] (what the model's LM head reads).
+1. The engine generates a continuation for each prompt (and extra_samples sampled ones), and for each of
+   self_prompts user messages it writes itself (selfdistill.self_written_prompts), keeping every computed
+   position's final hidden state f[t] (what the model's LM head reads).
 2. Row t of the head reads [embedding of x[t + 1], f[t]] and learns f[t + 1] (smooth L1, EAGLE's
    regression loss) and, through the target's frozen LM head, the target's most likely token after
    x[t + 1] (cross-entropy): the argmax of the LM head at f[t + 1], which is what a greedy target keeps
@@ -25,6 +26,7 @@ under EAGLE-1/2's checkpoint names: its state_dict is what the loader reads (loa
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -38,7 +40,9 @@ from tqdm.auto import tqdm
 
 from tokenmill.loader import load_model_source
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.training.selfdistill import generate_with_states, target_embedding, target_lm_head
+from tokenmill.training.selfdistill import generate_with_states, has_chat_template, self_written_prompts, target_embedding, target_lm_head
+
+logger = logging.getLogger(__name__)
 
 # Config keys that are not the draft layers' own (layer_types would describe the target's layers).
 _NOT_LAYER_KEYS = ("architectures", "model_type", "auto_map", "torch_dtype", "dtype", "layer_types")
@@ -49,12 +53,16 @@ class EagleTrainingConfig:
     num_layers: int = 1
     max_tokens: int = 192  # generated per prompt
     temperature: float = 0.0  # of the generation (0: greedy, what a greedy deployment will see)
-    # Sampled continuations per prompt besides the one at `temperature`: more, varied data. The defaults (12 answers
-    # a prompt, ~128k positions from 64 prompts, 16 epochs: ~2,000 steps) fit SmolLM2's head into ~15 minutes of
-    # two cores; on held-out prompts 4 answers gave 41.2% top-1 in 1,200 steps, 12 answers 45.5%.
+    # Sampled continuations per prompt besides the one at `temperature`: more, varied data. On held-out prompts 4
+    # answers gave 41.2% top-1 in 1,200 steps, 12 answers 45.5%, and with the self-written prompts below 48.1%.
     extra_samples: int = 11
     sample_temperature: float = 0.8  # of those
-    epochs: int = 16
+    # User messages the model writes itself (selfdistill.self_written_prompts), each answered at `temperature` and
+    # self_prompt_samples more times: new topics, where more answers to the same prompts repeat them. The defaults
+    # (~260k positions, 8 epochs: ~2,000 steps) fit SmolLM2's head into ~20 minutes of two cores.
+    self_prompts: int = 384
+    self_prompt_samples: int = 1
+    epochs: int = 8
     tokens_per_step: int = 1024  # rows per optimizer step (whole sequences packed together)
     lr: float = 1e-3  # the peak: linear warm-up over warmup_frac of the steps, then cosine decay to min_lr_frac of it
     warmup_frac: float = 0.05
@@ -71,6 +79,7 @@ class EagleTrainingConfig:
 class EagleTrainingReport:
     num_sequences: int
     num_positions: int
+    num_self_prompts: int
     generate_s: float
     train_s: float
     accuracy: float | None = None  # top-1 of the first draft on the held-out positions (teacher-forced states) against the labels
@@ -208,13 +217,22 @@ def _batch(pack: list[_Sequence], embedding: torch.Tensor):
 
 
 def train_eagle_head(llm, prompts: Sequence, config: EagleTrainingConfig, use_tqdm: bool = True) -> tuple[EagleTrainingHead, EagleTrainingReport]:
-    """Generate with `llm` (one engine) from `prompts`, then train an EAGLE head on what it generated."""
+    """Generate with `llm` (one engine) from `prompts` and from prompts it writes itself, then train an EAGLE head
+    on what it generated."""
     engine = llm.llm_engine
+    start = time.perf_counter()
+    written = []
+    if config.self_prompts and has_chat_template(llm.get_tokenizer()):
+        written = self_written_prompts(llm, config.self_prompts, config.seed, use_tqdm=use_tqdm)
+    elif config.self_prompts:
+        logger.warning("the model has no chat template to write its own prompts with: training on the given prompts only")
     params = [SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, seed=config.seed)]
     params += [SamplingParams(max_tokens=config.max_tokens, temperature=config.sample_temperature, seed=config.seed + 1 + i)
-               for i in range(config.extra_samples)]
-    collector, outputs, generate_s = generate_with_states(llm, [p for p in prompts for _ in params], params * len(prompts),
-                                                          use_tqdm, "train-eagle")
+               for i in range(max(config.extra_samples, config.self_prompt_samples))]
+    own, other = params[: 1 + config.extra_samples], params[: 1 + config.self_prompt_samples]
+    requests = [p for p in prompts for _ in own] + [p for p in written for _ in other]
+    collector, outputs, _ = generate_with_states(llm, requests, own * len(prompts) + other * len(written), use_tqdm, "train-eagle")
+    generate_s = time.perf_counter() - start
     sequences = build_sequences(collector, outputs)
     if not sequences:
         raise ValueError("no training positions: the prompts generated fewer than 3 tokens each")
@@ -285,5 +303,6 @@ def train_eagle_head(llm, prompts: Sequence, config: EagleTrainingConfig, use_tq
                 inside += int((index_in_vocab[labels] >= 0).sum())
                 count += len(labels)
         accuracy, coverage = right / count, inside / count
-    report = EagleTrainingReport(len(sequences), sum(len(s.states) - 1 for s in sequences), generate_s, train_s, accuracy, coverage, losses)
+    report = EagleTrainingReport(len(sequences), sum(len(s.states) - 1 for s in sequences), len(written), generate_s, train_s,
+                                 accuracy, coverage, losses)
     return head, report
