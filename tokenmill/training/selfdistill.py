@@ -21,9 +21,9 @@ class HiddenStateCollector:
     """A ModelRunner hidden_observer that keeps every computed position's final hidden state, per request.
 
     The states go into one buffer in the model's dtype (lossless), grown by doubling, not a tensor per
-    decode row: hundreds of thousands of small long-lived tensors, interleaved in the heap with the
-    forward passes' freed activations (which tune_malloc keeps), fragmented it until a 768-request run
-    on SmolLM2 reached 24 GB and was killed; the buffer holds ~1.2 KB a position in bf16."""
+    decode row: with hundreds of thousands of those small long-lived tensors among the forward passes'
+    freed activations (a heap tune_malloc never trims), a 768-request run on SmolLM2 once grew to 24 GB
+    and was killed (a rerun peaked at 7.5 GB, ~36 KB a position); the buffer holds ~1.2 KB a position in bf16."""
 
     def __init__(self) -> None:
         self.rows: dict[str, dict[int, int]] = {}  # per request: position -> row of the buffer
