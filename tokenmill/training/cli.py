@@ -99,7 +99,8 @@ def cmd_train_eagle(args: argparse.Namespace) -> None:
     save_eagle_head(head.eagle_state_dict(), {**head.eagle_config(), "base_model_name_or_path": llm.llm_engine.model_name}, args.output)
     accuracy = "n/a" if report.accuracy is None else f"{report.accuracy:.1%} (the draft vocabulary holds {report.vocab_coverage:.1%} of the tokens)"
     print(f"trained an EAGLE head ({args.num_layers} layer(s)) on {report.num_positions} positions of {report.num_sequences} generated "
-          f"sequences ({len(prompts)} prompts, {report.num_self_prompts} written by the model; generation {report.generate_s:.0f} s, training {report.train_s:.0f} s); held-out top-1 accuracy of the "
+          f"sequences ({len(prompts)} prompts, {report.num_self_prompts} written by the model; generation {report.generate_s:.0f} s, "
+          f"training {report.train_s:.0f} s); held-out top-1 accuracy of the "
           f"first draft: {accuracy}; written to {args.output}")
     print(f"use it with --speculative-config '{{\"method\": \"eagle\", \"model\": \"{args.output}\", \"num_speculative_tokens\": 3}}'")
 
