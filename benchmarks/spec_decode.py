@@ -60,6 +60,9 @@ CONFIGS = {
     "eagle k2 w3": {"method": "eagle", "num_speculative_tokens": 2, "tree_width": 3},
     "eagle k3 w2": {"method": "eagle", "num_speculative_tokens": 3, "tree_width": 2},
     "eagle tree5": {"method": "eagle", "tree": [[0], [1], [2], [0, 0], [0, 0, 0]]},
+    "eagle k2 w4": {"method": "eagle", "num_speculative_tokens": 2, "tree_width": 4},
+    # Wide first, then deeper along the top-1 chain: 4 + 2 + 1 nodes.
+    "eagle tree7": {"method": "eagle", "tree": [[0], [1], [2], [3], [0, 0], [0, 1], [0, 0, 0]]},
 }
 
 
