@@ -120,9 +120,14 @@ def chat_prompts(tokenizer, path: str | None = None, count: int | None = None) -
     lines = chat_prompt_lines(path)[:count]
     if not has_chat_template(tokenizer):
         return lines
+    return in_chat_template(tokenizer, lines)
+
+
+def in_chat_template(tokenizer, messages: Sequence[str]) -> list[dict]:
+    """Each user message as a prompt in the tokenizer's chat template: {"prompt": text, "prompt_token_ids": ids}."""
     prompts = []
-    for line in lines:
-        text, ids = chat_request(tokenizer, line)
+    for message in messages:
+        text, ids = chat_request(tokenizer, message)
         prompts.append({"prompt": text, "prompt_token_ids": ids})
     return prompts
 
@@ -158,8 +163,4 @@ def self_written_prompts(llm, count: int, seed: int = 0, max_tokens: int = 64, t
             message = out.outputs[0].text.strip()
             if out.outputs[0].finish_reason == "stop" and message:
                 found.setdefault(message)
-    prompts = []
-    for line in list(found)[:count]:
-        prompt, ids = chat_request(tokenizer, line)
-        prompts.append({"prompt": prompt, "prompt_token_ids": ids})
-    return prompts
+    return in_chat_template(tokenizer, list(found)[:count])
