@@ -3,13 +3,15 @@ against decoding without speculation in the same run (the README's speculative d
 
     python benchmarks/spec_decode.py [--model PATH] [--dtype auto] [--rounds 3] [--dataset edit] [--num-prompts 4]
                                      [--configs "none,ngram k4,self int4 k3"] [--medusa HEADS] [--eagle HEAD]
-                                     [--json out.json]
+                                     [--batch-size 1] [--json out.json]
 
 Each configuration runs `tokenmill bench throughput --num-prompts 1` once per prompt (one request at a
 time: the single-request latency speculation is for) in a process of its own, greedy, stopping at EOS;
 rounds alternate between the configurations, so a busy machine disturbs them alike. The table shows
 each one's median time per output token (TPOT) over every request of every round, the speed-up over
 no speculation, the acceptance rate and the mean accepted length. Prints the CPU's vector flags.
+With --batch-size B, each run sends B prompts at once (the next B of the dataset), and the speed-up is
+that of the median output throughput (tokens/s over the run) instead of the time per output token.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from quantization import _bench, cpu_flags  # noqa: E402
 
+_CONFIDENT = {"min_draft_probability": 0.1, "stop_draft_probability": 0.5}
 CONFIGS = {
     "none": None,
     "ngram k2": {"method": "ngram", "num_speculative_tokens": 2},
@@ -63,6 +66,11 @@ CONFIGS = {
     "eagle k2 w4": {"method": "eagle", "num_speculative_tokens": 2, "tree_width": 4},
     # Wide first, then deeper along the top-1 chain: 4 + 2 + 1 nodes.
     "eagle tree7": {"method": "eagle", "tree": [[0], [1], [2], [3], [0, 0], [0, 1], [0, 0, 0]]},
+    # Confidence (min_draft_probability 0.1, stop_draft_probability 0.5): per request and step, only the
+    # nodes the draft finds probable enough, and passes only while its top-1 chain is.
+    "eagle k4 dyn": {"method": "eagle", "num_speculative_tokens": 4, **_CONFIDENT},
+    "eagle k3 w3 dyn": {"method": "eagle", "num_speculative_tokens": 3, "tree_width": 3, **_CONFIDENT},
+    "eagle k4 w4 dyn": {"method": "eagle", "num_speculative_tokens": 4, "tree_width": 4, **_CONFIDENT},
 }
 
 
@@ -78,33 +86,37 @@ def main() -> None:
     parser.add_argument("--medusa", default=None, help="the Medusa heads' folder, for the medusa configs")
     parser.add_argument("--eagle", default=None, help="the EAGLE head's folder, for the eagle configs")
     parser.add_argument("--output-len", type=int, default=None, help="tokens per request (default: the dataset's)")
+    parser.add_argument("--batch-size", type=int, default=1, help="requests sent at once per run (default: 1)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     names = [n.strip() for n in args.configs.split(",")]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be at least 1, got {args.batch_size}")
     if "none" not in names:
         names.insert(0, "none")
     if any(name.startswith("medusa") for name in names) and not args.medusa:
         parser.error("the medusa configs need --medusa HEADS_FOLDER")
     if any(name.startswith("eagle") for name in names) and not args.eagle:
         parser.error("the eagle configs need --eagle HEAD_FOLDER")
-    common = ["throughput", "--dataset", args.dataset, "--num-prompts", "1", "--input-len", str(args.input_len),
+    common = ["throughput", "--dataset", args.dataset, "--num-prompts", str(args.batch_size), "--input-len", str(args.input_len),
               "--no-ignore-eos", "--dtype", args.dtype, "--disable-tqdm"] + (["--model", args.model] if args.model else [])
     if args.output_len is not None:
         common += ["--output-len", str(args.output_len)]
-    rows = {name: {"tpot_ms": [], "drafts": 0, "draft_tokens": 0, "accepted": 0, "outputs": []} for name in names}
+    rows = {name: {"tpot_ms": [], "tokens_per_s": [], "drafts": 0, "draft_tokens": 0, "accepted": 0, "outputs": []} for name in names}
     for _ in range(args.rounds):
         for seed in range(args.num_prompts):
             for name in names:
                 spec = CONFIGS[name]
                 if spec is not None and spec["method"] in ("medusa", "eagle"):
                     spec = {**spec, "model": args.medusa if spec["method"] == "medusa" else args.eagle}
-                extra = ["--seed", str(seed)] + (["--speculative-config", json.dumps(spec)] if spec else [])
+                extra = ["--seed", str(seed * args.batch_size)] + (["--speculative-config", json.dumps(spec)] if spec else [])
                 result = _bench([*common, *extra])["tokenmill"]
                 row = rows[name]
                 row["tpot_ms"].append(result["median_tpot_ms"])
+                row["tokens_per_s"].append(result["output_tokens_per_second"])
                 row["outputs"].append(result["total_output_tokens"])
                 spec_stats = result.get("spec_decode")
                 if spec_stats:
@@ -112,14 +124,17 @@ def main() -> None:
                     row["draft_tokens"] += spec_stats["num_draft_tokens"]
                     row["accepted"] += spec_stats["num_accepted_tokens"]
     base = statistics.median(rows["none"]["tpot_ms"])
-    print(f"CPU flags: {cpu_flags()}; dtype {args.dtype}; dataset {args.dataset}, {args.num_prompts} requests x {args.rounds} rounds")
-    print("| speculative config | TPOT ms (median) | speed-up | acceptance rate | mean accepted length |")
-    print("|---|---|---|---|---|")
+    base_rate = statistics.median(rows["none"]["tokens_per_s"])
+    print(f"CPU flags: {cpu_flags()}; dtype {args.dtype}; dataset {args.dataset}, {args.num_prompts} runs of {args.batch_size} "
+          f"request(s) x {args.rounds} rounds")
+    print("| speculative config | TPOT ms (median) | output tok/s (median) | speed-up | acceptance rate | mean accepted length |")
+    print("|---|---|---|---|---|---|")
     for name, row in rows.items():
-        ms = statistics.median(row["tpot_ms"])
+        ms, rate_s = statistics.median(row["tpot_ms"]), statistics.median(row["tokens_per_s"])
+        speedup = base / ms if args.batch_size == 1 else rate_s / base_rate
         rate = f"{100 * row['accepted'] / row['draft_tokens']:.0f}%" if row["draft_tokens"] else "-"
         length = f"{1 + row['accepted'] / row['drafts']:.2f}" if row["drafts"] else "-"
-        print(f"| {name} | {ms:.1f} | {base / ms:.2f}x | {rate} | {length} |")
+        print(f"| {name} | {ms:.1f} | {rate_s:.0f} | {speedup:.2f}x | {rate} | {length} |")
         if row["outputs"] != rows["none"]["outputs"]:
             print(f"  (output lengths differ from no speculation: {row['outputs']} vs {rows['none']['outputs']})")
     if args.json:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,6 +81,32 @@ def test_block_diagonal_mask_keeps_sequences_apart():
     mask = causal_mask(torch.tensor([[0, 0, 1, 1]]), torch.float32)[0, 0]
     assert (mask == 0).tolist() == [[True, False, False, False], [True, True, False, False],
                                     [False, False, True, False], [False, False, True, True]]
+
+
+def test_unconfident_nodes_leave_the_chunk():
+    """EagleProposer._write_kept: the kept nodes' drafts in the reserved places, the others gone from
+    token_ids, spec_token_ids and spec_parents (renumbered); a tree cut to its chain is a chain; none kept
+    leaves a plain decode."""
+    from tokenmill.engine.messages import DRAFT_PLACEHOLDER
+    from tokenmill.worker.eagle_proposer import EagleProposer
+
+    def chunk(parents):
+        k = len(parents) or 3
+        return ScheduledChunk("r", [5] + [DRAFT_PLACEHOLDER] * k, 9, [0, 1, 2, 3], True, SamplingParams(), 0, 0,
+                              spec_token_ids=[DRAFT_PLACEHOLDER] * k, spec_parents=list(parents))
+
+    tree = chunk([-1, -1, 0, 0])  # [0], [1], [0, 0], [0, 1]
+    EagleProposer._write_kept(tree, [10, 20, 21], np.array([True, False, True, True]))
+    assert (tree.token_ids, tree.spec_token_ids, tree.spec_parents) == ([5, 10, 20, 21], [10, 20, 21], [-1, 0, 0])
+    to_chain = chunk([-1, -1, 0, 0])
+    EagleProposer._write_kept(to_chain, [10, 20], np.array([True, False, True, False]))
+    assert (to_chain.token_ids, to_chain.spec_token_ids, to_chain.spec_parents) == ([5, 10, 20], [10, 20], [])
+    chain = chunk([])
+    EagleProposer._write_kept(chain, [10], np.array([True, False, False]))
+    assert (chain.token_ids, chain.spec_token_ids, chain.spec_parents) == ([5, 10], [10], [])
+    none = chunk([-1, -1, 0, 0])
+    EagleProposer._write_kept(none, [], np.zeros(4, dtype=bool))
+    assert (none.token_ids, none.spec_token_ids, none.spec_parents) == ([5], [], [])
 
 
 def test_other_layouts_are_clear_errors(tiny_model_factory, tmp_path):
@@ -179,6 +206,17 @@ def test_trained_head_is_accepted_and_changes_nothing(tiny_model_factory, tmp_pa
     tree_stats = tree.llm_engine.stats().spec_decode
     assert tree_stats.num_accepted_tokens >= stats.num_accepted_tokens and tree_stats.accepted_per_pos[2] > 0, tree_stats
     assert_no_blocks_held(tree)
+
+    # The same tree verified only where the draft is confident: per request and step, fewer nodes (some
+    # steps a chain, some none), fewer passes, still the same outputs.
+    confident = {**eagle_config(path, k=3), "tree_width": 3, "min_draft_probability": 0.3, "stop_draft_probability": 0.6}
+    llm = tiny_llm(folder, speculative_config=confident)
+    assert_same_outputs(reference, llm.generate(prompts, params, use_tqdm=False))
+    confident_stats = llm.llm_engine.stats().spec_decode
+    assert 0 < confident_stats.num_draft_tokens < tree_stats.num_draft_tokens and confident_stats.num_accepted_tokens > 0, confident_stats
+    assert_no_blocks_held(llm)
+    # Seeded sampling, n > 1, chunked prompts and preemption with it: the outputs of decoding without speculation.
+    assert_mixed_batch_matches_plain_decoding(folder, confident)
 
 
 def test_labels_are_the_targets_most_likely_tokens():

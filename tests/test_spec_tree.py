@@ -14,7 +14,7 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.kernels import cpu
 from tokenmill.layers.attention import TorchPagedAttention
 from tokenmill.layers.attention_metadata import AttentionGroup
-from tokenmill.spec_decode.tree import TokenTree, tree_layout
+from tokenmill.spec_decode.tree import TokenTree, confident_nodes, subtree_parents, tree_layout
 from tokenmill.spec_decode.verify import kept_tree_rows
 
 from test_medusa import heads_folder, model_dims, random_heads, target_lm_head
@@ -50,9 +50,27 @@ def test_tree_config_errors():
         ({**medusa, "tree_width": 30, "num_speculative_tokens": 3}, "<= 64"),
         ({"method": "ngram", "tree_width": 2}, '"tree" and "tree_width" belong to the medusa and eagle'),
         ({"method": "eagle", "model": "h", "tree": [[0], [1], [1, 0]]}, r"an eagle tree branches off the top-1 chain only"),
+        ({"method": "eagle", "model": "h", "min_draft_probability": 1.0}, r"min_draft_probability must be a number in \[0, 1\)"),
+        ({"method": "eagle", "model": "h", "stop_draft_probability": "0.5"}, "stop_draft_probability must be a number"),
+        ({**medusa, "min_draft_probability": 0.1}, '"min_draft_probability" belongs to the eagle method'),
     ]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_dict(bad)
+
+
+def test_confident_nodes_are_a_tree_of_probable_paths():
+    """confident_nodes keeps the nodes whose path the draft finds at least that probable, within the passes
+    that ran; subtree_parents renumbers the parents among them."""
+    tree = TokenTree.of_width(3, 2)  # [0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 1]
+    node_pass, node_rank = tree.heads_and_ranks()
+    probs = np.array([[0.8, 0.15], [0.5, 0.3], [0.9, 0.05]])  # per pass, its two candidates' probabilities
+    # Paths: 0.8, 0.15, 0.4, 0.24, 0.36, 0.02.
+    assert confident_nodes(node_pass, node_rank, probs, 0.1).tolist() == [True, True, True, True, True, False]
+    assert confident_nodes(node_pass, node_rank, probs, 0.3).tolist() == [True, False, True, False, True, False]
+    assert confident_nodes(node_pass, node_rank, probs[:2], 0.0).tolist() == [True] * 4 + [False] * 2  # pass 3 did not run
+    assert not confident_nodes(node_pass, node_rank, probs, 0.9).any()
+    keep = confident_nodes(node_pass, node_rank, probs, 0.2)  # [0], [0, 0], [0, 1], [0, 0, 0]
+    assert subtree_parents(tree.parents(), keep) == [-1, 0, 0, 1]
 
 
 def test_kept_path_is_the_longest_agreeing_one():

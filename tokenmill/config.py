@@ -211,6 +211,13 @@ class SpeculativeConfig:
     # num_speculative_tokens with the next tree_width - 1 candidates beside it at every depth (1: a chain).
     tree: list[list[int]] | None = None
     tree_width: int | None = None
+    # eagle: the draft's own confidence decides, per request and step, how much of the chain or tree is
+    # verified (EAGLE-2's observation: the draft's probability of a path predicts well whether the model
+    # keeps it). A draft is verified only where the draft's probability of the path to it (the product of
+    # its probabilities along the way) is at least min_draft_probability; no further draft pass runs once
+    # the top-1 chain's probability is below stop_draft_probability. 0: every node, every pass.
+    min_draft_probability: float = 0.0
+    stop_draft_probability: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method in _SPECULATIVE_NOT_YET:
@@ -254,6 +261,12 @@ class SpeculativeConfig:
         if self.tree is not None and (tree := TokenTree.from_paths(self.tree)).depth != self.num_speculative_tokens:
             raise ValueError(f"the tree is {tree.depth} deep, so it verifies up to {tree.depth} tokens: set num_speculative_tokens "
                              f"to {tree.depth} or leave it out")
+        for name in ("min_draft_probability", "stop_draft_probability"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+            if value and self.method != "eagle":
+                raise ValueError(f'"{name}" belongs to the eagle method, not {self.method!r}')
         if self.tree is not None and self.method == "eagle" and any(r for path in tree.paths for r in path[:-1]):
             raise ValueError("an eagle tree branches off the top-1 chain only (its draft passes follow that chain): every "
                              f"path is [0, ..., 0, r], got {self.tree!r}")

@@ -72,6 +72,25 @@ class TokenTree:
         return (np.array([len(p) - 1 for p in self.paths], dtype=np.int64), np.array([p[-1] for p in self.paths], dtype=np.int64))
 
 
+def confident_nodes(node_pass: np.ndarray, node_rank: np.ndarray, probs: np.ndarray, threshold: float) -> np.ndarray:
+    """Which nodes of a tree that branches off a top-1 chain to verify (a bool mask): node i is candidate
+    node_rank[i] of draft pass node_pass[i]; probs [passes run, width] holds each pass's candidates' draft
+    probabilities. A node is kept when its pass ran and the draft's probability of its path (the top-1
+    chain's probabilities before its pass, times its own) is at least threshold. A node's path is never
+    more probable than its parent's, so the nodes kept form a tree again (for a chain, a prefix of it)."""
+    ran = node_pass < len(probs)
+    chain_before = np.concatenate([[1.0], np.cumprod(probs[:-1, 0])])
+    at = np.minimum(node_pass, len(probs) - 1)
+    return ran & (chain_before[at] * probs[at, node_rank] >= threshold)
+
+
+def subtree_parents(parents: list[int], keep: np.ndarray) -> list[int]:
+    """The parents of the nodes kept (a subset holding every kept node's parent), as indices among them."""
+    new_index = np.cumsum(keep) - 1
+    old = np.asarray(parents, dtype=np.int64)[keep]
+    return np.where(old >= 0, new_index[np.maximum(old, 0)], -1).tolist()
+
+
 def tree_depth(parents: list[int]) -> int | None:
     """How deep a tree's drafts go (None for a chain, whose depth is its length)."""
     if not parents:

@@ -23,6 +23,12 @@ node at path [0] * d + [r] is candidate r of pass d + 1. The passes still run al
 (one row per request per pass), so a tree costs the target's verification rows, not extra draft passes.
 After verification the runner moves the kept path's rows to a chain's places, and observe() reads the
 kept tokens themselves (not the tree's node order) as the tokens that follow each kept row.
+
+With confidence (min_draft_probability / stop_draft_probability), each pass also gives its candidates'
+draft probabilities: a request's passes stop once its top-1 chain is less probable than the stop
+threshold, and only the reserved nodes whose path is at least min_draft_probability probable are
+written; the chunk drops the others (spec_decode/tree.py: confident_nodes), so the target verifies
+fewer rows where the draft is unsure (EAGLE-2's dynamic trees, cut to a chain-plus-siblings shape).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch
 from tokenmill.engine.messages import DRAFT_PLACEHOLDER, ScheduledChunk
 from tokenmill.layers.quantization.unquantized import PackedCPUWeight, cpu_packed_weights_supported
 from tokenmill.models.eagle import EagleDraftModel
-from tokenmill.spec_decode.tree import TokenTree
+from tokenmill.spec_decode.tree import TokenTree, confident_nodes, subtree_parents
 from tokenmill.worker.batch import build_batch_inputs
 from tokenmill.worker.draft_proposer import RunnerBackedProposer, _tokens
 from tokenmill.worker.model_runner import ModelRunner
@@ -67,9 +73,10 @@ class _Pending:
 
 class EagleProposer(RunnerBackedProposer):
     def __init__(self, draft: EagleDraftModel, target: torch.nn.Module, runner: ModelRunner, num_speculative_tokens: int,
-                 tree: TokenTree | None = None) -> None:
+                 tree: TokenTree | None = None, min_probability: float = 0.0, stop_probability: float = 0.0) -> None:
         """target: the target model, whose input embedding and LM head the draft uses; runner: the draft's
-        own (its paged KV cache, indexed by the target's block tables); tree: a token tree (None: a chain)."""
+        own (its paged KV cache, indexed by the target's block tables); tree: a token tree (None: a chain);
+        min_probability, stop_probability: SpeculativeConfig's min_draft_probability and stop_draft_probability."""
         embed = getattr(getattr(target, "model", None), "embed_tokens", None)
         if embed is None or not hasattr(target, "compute_logits"):
             raise ValueError(f"speculative method \"eagle\" needs a Llama-family model (token embedding and LM head), "
@@ -84,6 +91,8 @@ class EagleProposer(RunnerBackedProposer):
         # Each tree node's pass (depth - 1) and candidate rank; how many candidates a pass keeps (1: a chain).
         self._node_pass, self._node_rank = tree.heads_and_ranks() if tree is not None else (np.zeros(0, np.int64),) * 2
         self.width = int(self._node_rank.max()) + 1 if tree is not None else 1
+        self.min_probability, self.stop_probability = min_probability, stop_probability
+        self.confidence = bool(min_probability or stop_probability)  # whether drafts need their probabilities
 
     # -- after each target pass: the rows it kept become pending draft rows ---------------------------
     def observe(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, sampled: list[list[int]]) -> None:
@@ -146,42 +155,73 @@ class EagleProposer(RunnerBackedProposer):
         needed = [int(self._node_pass[: len(c.spec_token_ids)].max()) + 1 if c.spec_parents else len(c.spec_token_ids)
                   for c in targets]
         candidates: list[list[np.ndarray]] = [[] for _ in targets]  # per request, per pass: [width] token ids
+        probabilities: list[list[np.ndarray]] = [[] for _ in targets]  # and their draft probabilities (with confidence)
+        chain = np.ones(len(targets))  # the draft's probability of each request's top-1 chain so far
         first_row = [p.start_pos + len(p.token_ids) for p in passes]  # where each request's speculative rows begin
         rows = list(range(len(targets)))  # the requests (indices into targets) in this pass
         features = torch.cat(states)
         for i in range(max(needed)):
+            if not rows:
+                break  # every chain stopped early
             batch = build_batch_inputs(passes, self.runner.block_size, self.runner.device, self.runner.cascade_attention)
             out = self.draft(self.embed(batch.input_ids), features, batch.positions, batch)
             guesses = out[batch.logits_indices]  # each pass's last row: the guessed state after it
-            for j, row in zip(rows, self._top(guesses)):
-                candidates[j].append(row)
-            # The next pass: one row per request that needs more, reading its newest top-1 draft and guessed state.
-            keep = [n for n, j in enumerate(rows) if needed[j] > i + 1]
+            tops, probs = self._top(guesses)
+            for n, j in enumerate(rows):
+                candidates[j].append(tops[n])
+                if probs is not None:
+                    probabilities[j].append(probs[n])
+                    chain[j] *= probs[n, 0]
+            # The next pass: one row per request that needs more (and, with confidence, whose chain is still
+            # probable enough), reading its newest top-1 draft and guessed state.
+            keep = [n for n, j in enumerate(rows) if needed[j] > i + 1 and chain[j] >= self.stop_probability]
             rows, features = [rows[n] for n in keep], guesses[keep]
             passes = [replace(targets[j], token_ids=[int(candidates[j][-1][0])], start_pos=first_row[j] + i,
                               spec_token_ids=[], spec_parents=[], sample=True) for j in rows]
-        for chunk, found in zip(targets, candidates):
-            per_pass = np.stack(found)  # [passes, width]
+        for chunk, found, probs in zip(targets, candidates, probabilities):
+            per_pass = np.stack(found)  # [passes run, width]
             k = len(chunk.spec_token_ids)
-            if chunk.spec_parents:  # the tree's first k nodes
-                self._write(chunk, per_pass[self._node_pass[:k], self._node_rank[:k]].tolist())
-            else:
-                self._write(chunk, per_pass[:k, 0].tolist())
+            # Each reserved node's pass and candidate rank (the tree's first k nodes, or a chain's).
+            node_pass, node_rank = (self._node_pass[:k], self._node_rank[:k]) if chunk.spec_parents else (np.arange(k), np.zeros(k, np.int64))
+            if not self.confidence:
+                self._write(chunk, per_pass[node_pass, node_rank].tolist())
+                continue
+            keep = confident_nodes(node_pass, node_rank, np.stack(probs), self.min_probability)
+            self._write_kept(chunk, per_pass[node_pass[keep], node_rank[keep]].tolist(), keep)
 
-    def _top(self, guesses: torch.Tensor) -> np.ndarray:
-        """Each guessed state's `width` most likely tokens, most likely first: [rows, width]."""
+    def _top(self, guesses: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each guessed state's `width` most likely tokens, most likely first ([rows, width]), and with
+        confidence their draft probabilities (a softmax over the draft's vocabulary; else None)."""
         if self._vocab_head is None:
             logits, vocab = self.target.compute_logits(guesses), None
         else:
             logits, vocab = self._vocab_head(guesses), self.draft.draft_vocab
-        top = logits.argmax(dim=-1, keepdim=True) if self.width == 1 else logits.topk(self.width, dim=-1).indices
-        return (top if vocab is None else vocab[top]).cpu().numpy()
+        probs = None
+        if self.confidence:
+            values, top = logits.topk(self.width, dim=-1)
+            probs = (values.float() - logits.float().logsumexp(dim=-1, keepdim=True)).exp().cpu().numpy()
+        else:
+            top = logits.argmax(dim=-1, keepdim=True) if self.width == 1 else logits.topk(self.width, dim=-1).indices
+        return (top if vocab is None else vocab[top]).cpu().numpy(), probs
 
     @staticmethod
     def _write(chunk: ScheduledChunk, drafts: list[int]) -> None:
         k = len(chunk.spec_token_ids)
         chunk.spec_token_ids[:] = drafts
         chunk.token_ids[len(chunk.token_ids) - k :] = drafts
+
+    @classmethod
+    def _write_kept(cls, chunk: ScheduledChunk, drafts: list[int], keep: np.ndarray) -> None:
+        """Write the drafts of the reserved nodes kept (keep: a mask over them, closed under parents) and
+        drop the others: the chunk verifies fewer rows (their reserved slots stay unused this step; the
+        scheduler counts the drafts the chunk holds when the step returns)."""
+        if chunk.spec_parents:
+            parents = subtree_parents(chunk.spec_parents, keep)
+            chunk.spec_parents[:] = [] if parents == list(range(-1, len(parents) - 1)) else parents  # a chain stays a chain
+        k = len(chunk.spec_token_ids)
+        del chunk.token_ids[len(chunk.token_ids) - k + len(drafts) :]
+        del chunk.spec_token_ids[len(drafts) :]
+        cls._write(chunk, drafts)
 
 
 def _vocab_head(target: torch.nn.Module, draft_vocab: torch.Tensor | None):

@@ -77,7 +77,8 @@ class Worker:
             head = load_eagle_head(draft.model, source.hf_config, spec.device, spec.dtype, spec.max_model_len)
             runner = ModelRunner(head, spec.device, spec.dtype, spec.config.cache.block_size, None, "eagle",
                                  spec.config.cache.kv_cache_dtype, spec.config.cache.cascade_attention)
-            proposer = EagleProposer(head, self.runner.model, runner, draft.num_speculative_tokens, draft.token_tree())
+            proposer = EagleProposer(head, self.runner.model, runner, draft.num_speculative_tokens, draft.token_tree(),
+                                     draft.min_draft_probability, draft.stop_draft_probability)
             self.runner.hidden_observer = proposer.observe
             return proposer
         if draft.method == "medusa":
