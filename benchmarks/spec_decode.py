@@ -1,7 +1,7 @@
 """Speculative decoding on one model: time per output token of single requests with each proposer,
 against decoding without speculation in the same run (the README's speculative decoding table).
 
-    python benchmarks/spec_decode.py [--model PATH] [--dtype auto] [--rounds 3] [--dataset edit] [--num-prompts 4]
+    python benchmarks/spec_decode.py [--model PATH] [--dtype auto] [--device cpu] [--rounds 3] [--dataset edit] [--num-prompts 4]
                                      [--configs "none,ngram k4,self int4 k3"] [--medusa HEADS] [--eagle HEAD]
                                      [--batch-size 1] [--json out.json]
 
@@ -78,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: tokenmill's, the CPU)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dataset", default="edit", help="a `tokenmill bench throughput` dataset (default: edit)")
     parser.add_argument("--num-prompts", type=int, default=4, help="requests per round, run one at a time")
@@ -103,6 +104,7 @@ def main() -> None:
         parser.error("the eagle configs need --eagle HEAD_FOLDER")
     common = ["throughput", "--dataset", args.dataset, "--num-prompts", str(args.batch_size), "--input-len", str(args.input_len),
               "--no-ignore-eos", "--dtype", args.dtype, "--disable-tqdm"] + (["--model", args.model] if args.model else [])
+    common += ["--device", args.device] if args.device else []
     if args.output_len is not None:
         common += ["--output-len", str(args.output_len)]
     rows = {name: {"tpot_ms": [], "tokens_per_s": [], "drafts": 0, "draft_tokens": 0, "accepted": 0, "outputs": []} for name in names}
@@ -118,6 +120,9 @@ def main() -> None:
                 row["tpot_ms"].append(result["median_tpot_ms"])
                 row["tokens_per_s"].append(result["output_tokens_per_second"])
                 row["outputs"].append(result["total_output_tokens"])
+                # As it goes (stderr), so a run cut short by a time limit still leaves its numbers.
+                print(f"{name}, prompt {seed}: TPOT {result['median_tpot_ms']:.2f} ms, {result['output_tokens_per_second']:.1f} tok/s",
+                      file=sys.stderr, flush=True)
                 spec_stats = result.get("spec_decode")
                 if spec_stats:
                     row["drafts"] += spec_stats["num_drafts"]
@@ -125,7 +130,7 @@ def main() -> None:
                     row["accepted"] += spec_stats["num_accepted_tokens"]
     base = statistics.median(rows["none"]["tpot_ms"])
     base_rate = statistics.median(rows["none"]["tokens_per_s"])
-    print(f"CPU flags: {cpu_flags()}; dtype {args.dtype}; dataset {args.dataset}, {args.num_prompts} runs of {args.batch_size} "
+    print(f"device {args.device or 'cpu'}; CPU flags: {cpu_flags()}; dtype {args.dtype}; dataset {args.dataset}, {args.num_prompts} runs of {args.batch_size} "
           f"request(s) x {args.rounds} rounds")
     print("| speculative config | TPOT ms (median) | output tok/s (median) | speed-up | acceptance rate | mean accepted length |")
     print("|---|---|---|---|---|---|")

@@ -122,6 +122,18 @@ def test_prompt_chunks_of_very_different_lengths_are_not_padded_together():
     assert covered == list(range(batch.num_tokens))  # every token attended exactly once
 
 
+def assert_same_decodes(moved: BatchInputs, want: BatchInputs):
+    """A batch made with tensor ops holds what build_batch_inputs made: the same inputs and one decode group;
+    returns that group."""
+    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices"):
+        assert torch.equal(getattr(moved, name), getattr(want, name)), name
+    assert moved.num_tokens == want.num_tokens
+    (got,), (expected,) = moved.attn_groups, want.attn_groups
+    for name in ("token_index", "block_table", "query_pos"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    return got
+
+
 def test_next_decode_batch_is_the_batch_built_a_position_on():
     """A draft model's next pass: the same decodes one position further (one crossing into its next block),
     as build_batch_inputs makes it from the chunks; anything but plain decodes gets None."""
@@ -130,12 +142,20 @@ def test_next_decode_batch_is_the_batch_built_a_position_on():
     decodes = [chunk("a", [50], start=3, blocks=[3, 7, 9]), chunk("b", [60], start=5, blocks=[6, 2]), chunk("c", [70], start=0, blocks=[5])]
     moved = next_decode_batch(build(decodes), torch.tensor([51, 61, 71]))
     want = build([chunk(c.request_id, [c.token_ids[0] + 1], c.start_pos + 1, c.block_ids) for c in decodes])
-    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices"):
-        assert torch.equal(getattr(moved, name), getattr(want, name)), name
-    assert moved.num_tokens == want.num_tokens
-    (got,), (expected,) = moved.attn_groups, want.attn_groups
-    for name in ("token_index", "block_table", "query_pos"):
-        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    got = assert_same_decodes(moved, want)
     assert got.decode_rows_and_positions()[1].tolist() == [4, 6, 1]
     assert moved.slot_rows(2, 40).tolist() == want.slot_rows(2, 40).tolist()
     assert next_decode_batch(build([chunk("p", [1, 2, 3, 4, 5, 6], start=0, blocks=[1, 2])]), torch.tensor([7])) is None
+
+
+def test_next_rows_batch_is_the_built_batch_of_the_requests_kept():
+    """An EAGLE head's next pass: after a pass of several rows per request (and one of a whole prompt's),
+    one decode a position after each kept request's sampled row, as build_batch_inputs makes it."""
+    from tokenmill.worker.batch import next_rows_batch
+
+    passes = [chunk("a", [50, 51, 52], start=2, blocks=[3, 7, 9]), chunk("b", [60], start=7, blocks=[6, 2, 4]),
+              chunk("c", [70, 71, 72, 73, 74, 75], start=0, blocks=[5, 8])]
+    moved = next_rows_batch(build(passes), torch.tensor([0, 2]), torch.tensor([53, 76]))
+    want = build([chunk("a", [53], start=5, blocks=[3, 7, 9]), chunk("c", [76], start=6, blocks=[5, 8, 0])])
+    got = assert_same_decodes(moved, want)
+    assert moved.plain_decode_group() is got

@@ -133,7 +133,10 @@ def test_medusa_chains_and_trees_keep_the_outputs_on_cuda(tiny_model_factory, tm
     assert llm.llm_engine.stats().spec_decode.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("tree", [{}, {"tree_width": 3, "num_speculative_tokens": 3}])
+@pytest.mark.parametrize("tree", [{}, {"tree_width": 3, "num_speculative_tokens": 3},
+                                  # draft confidence: thresholds a random head's drafts pass at some steps only
+                                  {"tree_width": 3, "num_speculative_tokens": 3, "min_draft_probability": 0.002,
+                                   "stop_draft_probability": 0.004}])
 def test_eagle_chains_and_trees_keep_the_outputs_on_cuda(tiny_model_factory, tmp_path, tree):
     """An EAGLE head (two layers, fed the target's hidden states) on the GPU, in the same mixed batch."""
     from test_eagle import eagle_config, head_folder, random_head

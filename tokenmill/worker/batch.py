@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from itertools import chain
 
 import numpy as np
@@ -104,18 +103,35 @@ def next_decode_batch(batch: BatchInputs, input_ids: torch.Tensor) -> BatchInput
     group = batch.plain_decode_group()
     if group is None or group.tree_start is not None:
         return None
-    positions = batch.positions + 1
-    blocks = batch.block_tables.gather(1, (positions // batch.block_size)[:, None])[:, 0]
-    num_blocks = int(positions.max()) // batch.block_size + 1
-    return replace(
-        batch,
+    return _decodes_at(batch.positions + 1, batch.block_tables, input_ids, batch.block_size)
+
+
+def next_rows_batch(batch: BatchInputs, requests: torch.Tensor, input_ids: torch.Tensor) -> BatchInputs:
+    """One plain decode per request given (indices into the batch's chunks, each sampling one row and
+    no drafts), a position after its sampled row: input_ids there, in the blocks its table already holds.
+    An EAGLE head's next draft pass after one of any shape (its first reads several rows per request), as
+    next_decode_batch does for a draft model's."""
+    positions = batch.positions[batch.logits_indices[requests]] + 1
+    return _decodes_at(positions, batch.block_tables[requests], input_ids, batch.block_size)
+
+
+def _decodes_at(positions: torch.Tensor, block_tables: torch.Tensor, input_ids: torch.Tensor, block_size: int) -> BatchInputs:
+    """Plain decodes of input_ids at these positions (one per request, [B]), in these block tables ([B, blocks])."""
+    blocks = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
+    num_blocks = int(positions.max()) // block_size + 1
+    rows = torch.arange(len(positions), device=positions.device)
+    return BatchInputs(
         input_ids=input_ids,
         positions=positions,
-        slot_mapping=blocks * batch.block_size + positions % batch.block_size,
-        seq_lens=batch.seq_lens + 1,
-        attn_groups=[AttentionGroup(token_index=group.token_index, block_table=batch.block_tables[:, :num_blocks].contiguous(),
-                                    query_pos=group.query_pos + 1)],
-        _slot_rows={},
+        slot_mapping=blocks * block_size + positions % block_size,
+        query_start_loc=torch.arange(len(positions) + 1, device=positions.device),
+        seq_lens=positions + 1,
+        block_tables=block_tables,
+        logits_indices=rows,
+        attn_groups=[AttentionGroup(token_index=rows[:, None], block_table=block_tables[:, :num_blocks].contiguous(),
+                                    query_pos=positions[:, None])],
+        block_size=block_size,
+        num_tokens=len(positions),
     )
 
 

@@ -42,7 +42,7 @@ from tokenmill.engine.messages import DRAFT_PLACEHOLDER, ScheduledChunk
 from tokenmill.layers.quantization.unquantized import PackedCPUWeight, cpu_packed_weights_supported
 from tokenmill.models.eagle import EagleDraftModel
 from tokenmill.spec_decode.tree import TokenTree, confident_nodes, subtree_parents
-from tokenmill.worker.batch import build_batch_inputs
+from tokenmill.worker.batch import build_batch_inputs, next_rows_batch
 from tokenmill.worker.draft_proposer import RunnerBackedProposer, _tokens
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -157,13 +157,10 @@ class EagleProposer(RunnerBackedProposer):
         candidates: list[list[np.ndarray]] = [[] for _ in targets]  # per request, per pass: [width] token ids
         probabilities: list[list[np.ndarray]] = [[] for _ in targets]  # and their draft probabilities (with confidence)
         chain = np.ones(len(targets))  # the draft's probability of each request's top-1 chain so far
-        first_row = [p.start_pos + len(p.token_ids) for p in passes]  # where each request's speculative rows begin
         rows = list(range(len(targets)))  # the requests (indices into targets) in this pass
         features = torch.cat(states)
+        batch = build_batch_inputs(passes, self.runner.block_size, self.runner.device, self.runner.cascade_attention)
         for i in range(max(needed)):
-            if not rows:
-                break  # every chain stopped early
-            batch = build_batch_inputs(passes, self.runner.block_size, self.runner.device, self.runner.cascade_attention)
             out = self.draft(self.embed(batch.input_ids), features, batch.positions, batch)
             guesses = out[batch.logits_indices]  # each pass's last row: the guessed state after it
             tops, probs = self._top(guesses)
@@ -175,9 +172,12 @@ class EagleProposer(RunnerBackedProposer):
             # The next pass: one row per request that needs more (and, with confidence, whose chain is still
             # probable enough), reading its newest top-1 draft and guessed state.
             keep = [n for n, j in enumerate(rows) if needed[j] > i + 1 and chain[j] >= self.stop_probability]
+            if not keep:
+                break  # every chain is done, or stopped early
             rows, features = [rows[n] for n in keep], guesses[keep]
-            passes = [replace(targets[j], token_ids=[int(candidates[j][-1][0])], start_pos=first_row[j] + i,
-                              spec_token_ids=[], spec_parents=[], sample=True) for j in rows]
+            # Made with a few tensor ops from this pass's batch, not with build_batch_inputs' numpy from chunks.
+            device = batch.positions.device
+            batch = next_rows_batch(batch, torch.tensor(keep, device=device), torch.from_numpy(tops[keep, 0]).to(device))
         for chunk, found, probs in zip(targets, candidates, probabilities):
             per_pass = np.stack(found)  # [passes run, width]
             k = len(chunk.spec_token_ids)
