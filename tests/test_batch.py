@@ -153,9 +153,10 @@ def test_next_rows_batch_is_the_built_batch_of_the_requests_kept():
     one decode a position after each kept request's sampled row, as build_batch_inputs makes it."""
     from tokenmill.worker.batch import next_rows_batch
 
-    passes = [chunk("a", [50, 51, 52], start=2, blocks=[3, 7, 9]), chunk("b", [60], start=7, blocks=[6, 2, 4]),
+    passes = [chunk("a", [50, 51, 52], start=1, blocks=[3, 7, 9]), chunk("b", [60], start=7, blocks=[6, 2, 4]),
               chunk("c", [70, 71, 72, 73, 74, 75], start=0, blocks=[5, 8])]
     moved = next_rows_batch(build(passes), torch.tensor([0, 2]), torch.tensor([53, 76]))
-    want = build([chunk("a", [53], start=5, blocks=[3, 7, 9]), chunk("c", [76], start=6, blocks=[5, 8, 0])])
+    # a's next row crosses into its second block
+    want = build([chunk("a", [53], start=4, blocks=[3, 7, 9]), chunk("c", [76], start=6, blocks=[5, 8, 0])])
     got = assert_same_decodes(moved, want)
     assert moved.plain_decode_group() is got
