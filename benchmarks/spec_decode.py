@@ -3,13 +3,15 @@ against decoding without speculation in the same run (the README's speculative d
 
     python benchmarks/spec_decode.py [--model PATH] [--dtype auto] [--device cpu] [--rounds 3] [--dataset edit] [--num-prompts 4]
                                      [--configs "none,ngram k4,self int4 k3"] [--medusa HEADS] [--eagle HEAD]
-                                     [--batch-size 1] [--json out.json]
+                                     [--batch-size 1 | --one-process] [--json out.json]
 
 Each configuration runs `tokenmill bench throughput --num-prompts 1` once per prompt (one request at a
 time: the single-request latency speculation is for) in a process of its own, greedy, stopping at EOS;
 rounds alternate between the configurations, so a busy machine disturbs them alike. The table shows
 each one's median time per output token (TPOT) over every request of every round, the speed-up over
 no speculation, the acceptance rate and the mean accepted length. Prints the CPU's vector flags.
+With --one-process, each configuration's prompts run in one process per round, one request at a time
+(the engine's --max-num-seqs 1), the median over them its TPOT for the round: fewer process starts.
 With --batch-size B, each run sends B prompts at once (the next B of the dataset), and the speed-up is
 that of the median output throughput (tokens/s over the run) instead of the time per output token.
 """
@@ -88,6 +90,9 @@ def main() -> None:
     parser.add_argument("--eagle", default=None, help="the EAGLE head's folder, for the eagle configs")
     parser.add_argument("--output-len", type=int, default=None, help="tokens per request (default: the dataset's)")
     parser.add_argument("--batch-size", type=int, default=1, help="requests sent at once per run (default: 1)")
+    parser.add_argument("--one-process", action="store_true",
+                        help="each configuration's prompts of a round in one process, one request at a time (--max-num-seqs 1): "
+                             "a process start per configuration and round, not per prompt (for a GPU, whose start costs more than its run)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     names = [n.strip() for n in args.configs.split(",")]
@@ -96,20 +101,24 @@ def main() -> None:
         parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     if args.batch_size < 1:
         parser.error(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.one_process and args.batch_size != 1:
+        parser.error("--one-process sends one request at a time: leave --batch-size at 1")
     if "none" not in names:
         names.insert(0, "none")
     if any(name.startswith("medusa") for name in names) and not args.medusa:
         parser.error("the medusa configs need --medusa HEADS_FOLDER")
     if any(name.startswith("eagle") for name in names) and not args.eagle:
         parser.error("the eagle configs need --eagle HEAD_FOLDER")
-    common = ["throughput", "--dataset", args.dataset, "--num-prompts", str(args.batch_size), "--input-len", str(args.input_len),
+    per_run = args.num_prompts if args.one_process else args.batch_size
+    common = ["throughput", "--dataset", args.dataset, "--num-prompts", str(per_run), "--input-len", str(args.input_len),
               "--no-ignore-eos", "--dtype", args.dtype, "--disable-tqdm"] + (["--model", args.model] if args.model else [])
+    common += ["--max-num-seqs", "1"] if args.one_process else []
     common += ["--device", args.device] if args.device else []
     if args.output_len is not None:
         common += ["--output-len", str(args.output_len)]
     rows = {name: {"tpot_ms": [], "tokens_per_s": [], "drafts": 0, "draft_tokens": 0, "accepted": 0, "outputs": []} for name in names}
     for _ in range(args.rounds):
-        for seed in range(args.num_prompts):
+        for seed in [0] if args.one_process else range(args.num_prompts):
             for name in names:
                 spec = CONFIGS[name]
                 if spec is not None and spec["method"] in ("medusa", "eagle"):
@@ -130,8 +139,8 @@ def main() -> None:
                     row["accepted"] += spec_stats["num_accepted_tokens"]
     base = statistics.median(rows["none"]["tpot_ms"])
     base_rate = statistics.median(rows["none"]["tokens_per_s"])
-    print(f"device {args.device or 'cpu'}; CPU flags: {cpu_flags()}; dtype {args.dtype}; dataset {args.dataset}, {args.num_prompts} runs of {args.batch_size} "
-          f"request(s) x {args.rounds} rounds")
+    runs = f"{args.num_prompts} requests one at a time in a process" if args.one_process else f"{args.num_prompts} runs of {args.batch_size} request(s)"
+    print(f"device {args.device or 'cpu'}; CPU flags: {cpu_flags()}; dtype {args.dtype}; dataset {args.dataset}, {runs} x {args.rounds} rounds")
     print("| speculative config | TPOT ms (median) | output tok/s (median) | speed-up | acceptance rate | mean accepted length |")
     print("|---|---|---|---|---|---|")
     for name, row in rows.items():
