@@ -130,7 +130,8 @@ def main() -> None:
                 row["tokens_per_s"].append(result["output_tokens_per_second"])
                 row["outputs"].append(result["total_output_tokens"])
                 # As it goes (stderr), so a run cut short by a time limit still leaves its numbers.
-                print(f"{name}, prompt {seed}: TPOT {result['median_tpot_ms']:.2f} ms, {result['output_tokens_per_second']:.1f} tok/s",
+                which = f"prompts 0-{args.num_prompts - 1}" if args.one_process else f"prompt {seed}"
+                print(f"{name}, {which}: TPOT {result['median_tpot_ms']:.2f} ms, {result['output_tokens_per_second']:.1f} tok/s",
                       file=sys.stderr, flush=True)
                 spec_stats = result.get("spec_decode")
                 if spec_stats:
