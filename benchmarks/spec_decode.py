@@ -73,6 +73,9 @@ CONFIGS = {
     "eagle k4 dyn": {"method": "eagle", "num_speculative_tokens": 4, **_CONFIDENT},
     "eagle k3 w3 dyn": {"method": "eagle", "num_speculative_tokens": 3, "tree_width": 3, **_CONFIDENT},
     "eagle k4 w4 dyn": {"method": "eagle", "num_speculative_tokens": 4, "tree_width": 4, **_CONFIDENT},
+    # The head in int8 (its layers and draft-vocabulary rows).
+    "eagle k1 w3 int8": {"method": "eagle", "num_speculative_tokens": 1, "tree_width": 3, "quantization": "int8"},
+    "eagle k4 w4 dyn int8": {"method": "eagle", "num_speculative_tokens": 4, "tree_width": 4, **_CONFIDENT, "quantization": "int8"},
 }
 
 

@@ -141,8 +141,9 @@ def test_eagle_config_errors(tiny_model_factory, tmp_path):
 
     with pytest.raises(ValueError, match='"eagle" needs "model"'):
         SpeculativeConfig(method="eagle")
-    with pytest.raises(ValueError, match='"quantization" belongs to the draft_model method, not "eagle"'):
-        SpeculativeConfig(method="eagle", model="x", quantization="int8")
+    for quantization, options in (("int4", None), ("w8a8", None), ("int8", {"group_size": 32})):
+        with pytest.raises(ValueError, match='"quantization" of an EAGLE head is "int8"'):
+            SpeculativeConfig(method="eagle", model="x", quantization=quantization, quantization_options=options)
     gpt2 = tiny_model_factory("gpt2")
     with pytest.raises(ValueError, match="needs a Llama-family model"):
         tiny_llm(gpt2, speculative_config=eagle_config(head_folder(tmp_path, random_head(tiny_model_factory("llama_gqa")))))
@@ -217,6 +218,15 @@ def test_trained_head_is_accepted_and_changes_nothing(tiny_model_factory, tmp_pa
     assert_no_blocks_held(llm)
     # Seeded sampling, n > 1, chunked prompts and preemption with it: the outputs of decoding without speculation.
     assert_mixed_batch_matches_plain_decoding(folder, confident)
+
+    # The head in int8 (its layers and draft-vocabulary rows): the same outputs, its first drafts still mostly kept.
+    llm = tiny_llm(folder, speculative_config={**eagle_config(path, k=3), "quantization": "int8"})
+    assert_same_outputs(reference, llm.generate(prompts, params, use_tqdm=False))
+    int8_stats = llm.llm_engine.stats().spec_decode
+    assert int8_stats.accepted_per_pos[0] > 0.6 * int8_stats.num_drafts, int8_stats
+    head = llm.llm_engine.executor.worker.drafter.draft
+    assert head.quantization == "int8" and head.fc.qweight.dtype == torch.int8
+    assert_no_blocks_held(llm)
 
 
 def test_labels_are_the_targets_most_likely_tokens():

@@ -189,7 +189,7 @@ def test_medusa_config_errors():
 
     with pytest.raises(ValueError, match='"medusa" needs "model"'):
         SpeculativeConfig(method="medusa")
-    with pytest.raises(ValueError, match='"quantization" belongs to the draft_model method'):
+    with pytest.raises(ValueError, match='"quantization" belongs to the draft_model and eagle methods, not "medusa"'):
         SpeculativeConfig(method="medusa", model="x", quantization="int8")
 
 

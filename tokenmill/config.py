@@ -200,7 +200,8 @@ class SpeculativeConfig:
     # draft_model: the draft's folder or .gguf file, or "self" for the target's own weights, and the
     # draft's weight quantization ("self" defaults to int4 in groups of 32: a quantized copy of the target as its draft).
     # medusa: the Medusa heads' folder (FasterDecoding's layout, or what `tokenmill train-medusa` writes).
-    # eagle: the EAGLE draft head's folder (EAGLE-1/2's layout, or what `tokenmill train-eagle` writes).
+    # eagle: the EAGLE draft head's folder (EAGLE-1/2's layout, or what `tokenmill train-eagle` writes); quantization
+    # "int8": the head's layers and its draft-vocabulary rows of the LM head in int8 (CPU), fewer bytes a draft pass.
     model: str | None = None
     quantization: str | None = None
     quantization_options: dict | None = None
@@ -246,8 +247,12 @@ class SpeculativeConfig:
             if not self.model:
                 what = "the Medusa heads' folder (`tokenmill train-medusa`" if self.method == "medusa" else "the EAGLE head's folder (`tokenmill train-eagle`"
                 raise ValueError(f'speculative method "{self.method}" needs "model": {what} makes one)')
-            if self.quantization is not None or self.quantization_options is not None:
-                raise ValueError(f'"quantization" belongs to the draft_model method, not "{self.method}"')
+            if self.method == "medusa" and (self.quantization is not None or self.quantization_options is not None):
+                raise ValueError('"quantization" belongs to the draft_model and eagle methods, not "medusa"')
+            if self.method == "eagle" and (self.quantization not in (None, "none", "int8") or self.quantization_options is not None):
+                raise ValueError(f'"quantization" of an EAGLE head is "int8" (its layers and draft-vocabulary rows, a scale '
+                                 f'per output channel) or none, without options; got {self.quantization!r}'
+                                 + (f" with {self.quantization_options!r}" if self.quantization_options is not None else ""))
         elif self.model is not None or self.quantization is not None or self.quantization_options is not None:
             raise ValueError(f'"model" and "quantization" belong to the draft_model, medusa and eagle methods, not {self.method!r}')
         if (self.tree is not None or self.tree_width is not None) and self.method not in TREE_METHODS:

@@ -35,6 +35,7 @@ class EagleDraftModel(nn.Module):
     def __init__(self, ctx: ModelBuildContext, fc_bias: bool, draft_vocab: torch.Tensor | None = None) -> None:
         super().__init__()
         self.draft_vocab = draft_vocab  # token ids the drafts may take (None: all)
+        self.quantization = ctx.quant_config.name  # "none", or "int8": the proposer's draft-vocabulary head follows it
         config = ctx.hf_config
         self.hidden_size = config.hidden_size
         # tokenmill's Linear (not nn.Linear): its CPU method multiplies decode rows in dense_linear, where torch's

@@ -39,7 +39,9 @@ import numpy as np
 import torch
 
 from tokenmill.engine.messages import DRAFT_PLACEHOLDER, ScheduledChunk
+from tokenmill.layers.quantization.quant_utils import quantize_int8
 from tokenmill.layers.quantization.unquantized import PackedCPUWeight, cpu_packed_weights_supported
+from tokenmill.layers.quantization.weight_only import store_int8
 from tokenmill.models.eagle import EagleDraftModel
 from tokenmill.spec_decode.tree import TokenTree, confident_nodes, subtree_parents
 from tokenmill.worker.batch import build_batch_inputs, next_rows_batch
@@ -87,7 +89,7 @@ class EagleProposer(RunnerBackedProposer):
         self.runner = runner
         self.k = num_speculative_tokens
         self._states: dict[str, _Pending] = {}
-        self._vocab_head = _vocab_head(target, draft.draft_vocab)
+        self._vocab_head = _vocab_head(target, draft.draft_vocab, int8=draft.quantization == "int8")
         # Each tree node's pass (depth - 1) and candidate rank; how many candidates a pass keeps (1: a chain).
         self._node_pass, self._node_rank = tree.heads_and_ranks() if tree is not None else (np.zeros(0, np.int64),) * 2
         self.width = int(self._node_rank.max()) + 1 if tree is not None else 1
@@ -224,13 +226,17 @@ class EagleProposer(RunnerBackedProposer):
         cls._write(chunk, drafts)
 
 
-def _vocab_head(target: torch.nn.Module, draft_vocab: torch.Tensor | None):
-    """The draft vocabulary's rows of the target's LM head as a matmul (None: the whole LM head). Only a
-    full-precision LM head has rows to take; a quantized one is used whole."""
+def _vocab_head(target: torch.nn.Module, draft_vocab: torch.Tensor | None, int8: bool = False):
+    """The draft vocabulary's rows of the target's LM head as a matmul (None: the whole LM head), in int8 (a
+    scale per row) with an int8 head. Only a full-precision LM head has rows to take; a quantized one is used whole."""
     weight = getattr(getattr(target, "lm_head", None), "weight", None)
     if draft_vocab is None or weight is None or not weight.is_floating_point() or weight.dim() != 2 or weight.shape[0] <= int(draft_vocab.max()):
         return None
     rows = weight.detach().index_select(0, draft_vocab).contiguous()
+    if int8:
+        head = torch.nn.Module()
+        store_int8(head, *quantize_int8(rows))
+        return lambda hidden: head.linear_call(hidden, None)
     if cpu_packed_weights_supported(rows.device, rows.dtype):
         return PackedCPUWeight(rows, dense_only=True)
     return lambda hidden: torch.nn.functional.linear(hidden, rows)

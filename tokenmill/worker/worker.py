@@ -74,7 +74,7 @@ class Worker:
         if draft.method == "eagle":
             if self.comm.size > 1:
                 raise ValueError('speculative method "eagle" runs without tensor parallelism (tensor_parallel_size 1)')
-            head = load_eagle_head(draft.model, source.hf_config, spec.device, spec.dtype, spec.max_model_len)
+            head = load_eagle_head(draft.model, source.hf_config, spec.device, spec.dtype, spec.max_model_len, draft.quantization)
             runner = ModelRunner(head, spec.device, spec.dtype, spec.config.cache.block_size, None, "eagle",
                                  spec.config.cache.kv_cache_dtype, spec.config.cache.cascade_attention)
             proposer = EagleProposer(head, self.runner.model, runner, draft.num_speculative_tokens, draft.token_tree(),
