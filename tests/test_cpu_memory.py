@@ -251,3 +251,33 @@ def test_an_engine_on_huge_page_weights_computes_the_same(tiny_model_factory, qu
     outputs = greedy_outputs_on_and_off(tiny_model_factory("llama_gqa"), HUGE_PAGE_WEIGHTS_ENV, in_one_region, num_kv_blocks=256,
                                         quantization=quantization)
     assert outputs[0] == outputs[1]
+
+
+def _vm_flags_at(address: int) -> list[str]:
+    """The VmFlags of the mapping holding an address (/proc/self/smaps)."""
+    flags, inside = None, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and all(c in "0123456789abcdef-" for c in first):
+                low, high = (int(x, 16) for x in first.split("-"))
+                inside = low <= address < high
+            elif inside and line.startswith("VmFlags:"):
+                flags = line.split()[1:]
+    assert flags is not None, "no mapping holds the address"
+    return flags
+
+
+@needs_thp
+def test_each_heads_first_blocks_are_in_small_pages():
+    """The first 2 MB of each head's blocks (where a fresh engine's first requests write) are advised out
+    of huge pages, so a first prompt does not fault a 2 MB page per head, layer, K and V; the rest of
+    each head's part stays advised into them."""
+    heads, blocks, block_bytes = 3, 3072, 16 * 64 * 2  # 6 MB a head: its first 2 MB small, the rest huge
+    cache = zeros_huge_page_aligned((heads, blocks, 16, 64), torch.bfloat16)
+    cpu_memory.small_pages_where_heads_start(cache)
+    head_bytes = blocks * block_bytes
+    for head in range(heads):
+        start = cache.ctypes.data + head * head_bytes
+        assert "nh" in _vm_flags_at(start) and "nh" in _vm_flags_at(start + (2 << 20) - 1)
+        assert "hg" in _vm_flags_at(start + head_bytes - 1)

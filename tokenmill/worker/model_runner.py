@@ -15,7 +15,8 @@ from tokenmill.layers.attention_metadata import BatchInputs
 from tokenmill.layers.kv_quant import KVScales, kv_storage_dtype, scale_bytes_per_block
 from tokenmill.spec_decode.verify import draft_rows, kept_tree_rows, num_kept
 from tokenmill.worker.batch import build_batch_inputs
-from tokenmill.worker.cpu_memory import KVPrefault, move_weights_to_huge_pages, tune_malloc, zeros_huge_page_aligned
+from tokenmill.worker.cpu_memory import (KVPrefault, move_weights_to_huge_pages, small_pages_where_heads_start, tune_malloc,
+                                         zeros_huge_page_aligned)
 from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, argmax_and_logsumexp, compute_logprobs
 
 
@@ -112,7 +113,9 @@ class ModelRunner:
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         # numpy's zeros comes from calloc: the OS hands out zero pages lazily, so a large cache
         # costs no start-up time; KVPrefault then faults them in while the engine is idle.
-        return torch.from_numpy(zeros_huge_page_aligned(shape, self.kv_dtype)).view(self.kv_dtype)
+        cache = zeros_huge_page_aligned(shape, self.kv_dtype)
+        small_pages_where_heads_start(cache)  # the first requests' blocks: no 2 MB first touch per head
+        return torch.from_numpy(cache).view(self.kv_dtype)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
