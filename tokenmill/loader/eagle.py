@@ -13,7 +13,7 @@ import torch
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.build_context import ModelBuildContext
-from tokenmill.layers.quantization import UnquantizedConfig, get_quantization_config
+from tokenmill.layers.quantization import get_quantization_config
 from tokenmill.loader.medusa import load_state_file
 from tokenmill.models.eagle import EagleDraftModel
 
@@ -77,7 +77,8 @@ def load_eagle_head(path: str, target_hf_config, device: torch.device, dtype: to
                 or int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= vocab:
             raise ModelLoadError(f"{weights}: draft_vocab must be a non-empty 1-D tensor of token ids below {vocab}")
         draft_vocab = draft_vocab.to(device=device, dtype=torch.int64)
-    quant = get_quantization_config(quantization, None, device, dtype) if quantization else UnquantizedConfig(device, dtype)
+    # None or "none": UnquantizedConfig(device, dtype), as before; "int8": the weight-only method (CPU only).
+    quant = get_quantization_config(quantization, None, device, dtype)
     ctx = ModelBuildContext(hf_config=hf_config, quant_config=quant, max_position=max_position)
     with _default_dtype(dtype), device:
         model = EagleDraftModel(ctx, fc_bias="fc.bias" in state, draft_vocab=draft_vocab)
