@@ -44,6 +44,7 @@ def main() -> None:
             engines[label] = LLM(model=args.model, quantization=None if method == "none" else method,
                                  quantization_options=json.loads(options) if options else None, kv_cache_memory=int(args.kv_cache_memory))
     for llm in engines.values():
+        llm.llm_engine.executor.driver_runner.finish_weight_move()
         llm.llm_engine.executor.driver_runner.kv_prefault.wait()
     vocab = next(iter(engines.values())).llm_engine.vocab_size
     labels = list(engines)

@@ -1,6 +1,7 @@
 """worker/cpu_memory.py's KV cache prefault: it faults pages in without changing what blocks hold,
 stops when the cache is freed, and an engine with it on computes what one without it does; the
-weights' move into huge pages keeps every value, tie and view, and an engine computes the same."""
+weights' move into huge pages (at once, or deferred to a background copy and a repointing between two
+passes) keeps every value, tie and view, and an engine computes the same."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import torch
 from conftest import random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.worker import cpu_memory
-from tokenmill.worker.cpu_memory import (HUGE_PAGE_WEIGHTS_ENV, KV_PREFAULT_ENV, KVPrefault, move_weights_to_huge_pages, weight_tensors,
-                                        zeros_huge_page_aligned)
+from tokenmill.worker.cpu_memory import (HUGE_PAGE_WEIGHTS_ENV, KV_PREFAULT_ENV, KVPrefault, WeightMove, move_weights_to_huge_pages,
+                                        weight_tensors, zeros_huge_page_aligned)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_POPULATE_WRITE) is Linux's")
 
@@ -209,15 +210,25 @@ class _Holder(torch.nn.Module):
         self.general = functools.partial(torch.mul, torch.rand(5, dtype=torch.bfloat16))
 
 
+def _deferred_move(model: torch.nn.Module) -> int:
+    """WeightMove's deferred move, copied in the background and then repointed; the bytes moved."""
+    move = WeightMove(model, defer=True)
+    pointers = [t.data_ptr() for t in weight_tensors(model)]
+    assert move.wait(60)
+    assert [t.data_ptr() for t in weight_tensors(model)] == pointers  # copied: nothing repointed yet
+    return move.finish()
+
+
 @needs_thp
-def test_weights_move_into_one_huge_page_region_with_their_values_and_ties(monkeypatch):
+@pytest.mark.parametrize("move", [move_weights_to_huge_pages, _deferred_move], ids=["at-once", "deferred"])
+def test_weights_move_into_one_huge_page_region_with_their_values_and_ties(monkeypatch, move):
     monkeypatch.setenv(HUGE_PAGE_WEIGHTS_ENV, "1")
     model = _Holder()
     tensors = weight_tensors(model)
     assert len(tensors) == 6  # weight (tied: once), scale, row, packed, the call's scale, the partial's argument
     before = [t.clone() for t in tensors]
     row_offset = model.row.data_ptr() - model.weight.data_ptr()
-    moved = move_weights_to_huge_pages(model)
+    moved = move(model)
     assert moved >= sum(t.numel() * t.element_size() for t in tensors) - model.row.nbytes
     start = min(t.data_ptr() for t in tensors)
     assert start % (2 << 20) == 0  # the region starts on a huge page
@@ -235,7 +246,37 @@ def test_weights_stay_where_they_are_when_turned_off(monkeypatch):
     model = _Holder()
     pointers = [t.data_ptr() for t in weight_tensors(model)]
     assert move_weights_to_huge_pages(model) == 0
+    move = WeightMove(model, defer=True)
+    assert move.done() and move.finish() == 0
     assert [t.data_ptr() for t in weight_tensors(model)] == pointers
+
+
+@needs_thp
+def test_a_deferred_move_waits_for_the_first_pass_then_for_idleness(monkeypatch):
+    """Before the engine's first pass (its start, a server's) the copy waits START_AFTER; after a pass it
+    runs once the engine is idle; the tensors are repointed only once the copy is whole."""
+    monkeypatch.setattr(WeightMove, "START_AFTER", 60.0)
+    model = _Holder()
+    move = WeightMove(model, defer=True)
+    time.sleep(0.3)
+    assert not move.done() and move.before_pass() == 0
+    with move.busy():  # a pass: from its end on, an idle engine lets the copy run
+        pass
+    deadline = time.monotonic() + 30
+    while not move.done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert move.done() and move.repoint_if_copied() > 0
+    start = min(t.data_ptr() for t in weight_tensors(model))
+    assert start % (2 << 20) == 0
+
+
+@needs_thp
+def test_weights_too_large_to_copy_twice_move_at_once(monkeypatch):
+    monkeypatch.setattr(WeightMove, "DEFER_MAX_SHARE", 0.0)  # no room for a second copy
+    model = _Holder()
+    move = WeightMove(model, defer=True)
+    assert move.done() and move.moved > 0 and move.before_pass() == 0
+    assert min(t.data_ptr() for t in weight_tensors(model)) % (2 << 20) == 0
 
 
 @needs_thp
@@ -244,6 +285,7 @@ def test_an_engine_on_huge_page_weights_computes_the_same(tiny_model_factory, qu
     def in_one_region(llm, setting):
         if setting == "1":  # every weight (the KV cache aside: allocated after) in one region
             runner = llm.llm_engine.executor.driver_runner
+            runner.finish_weight_move()
             caches = {id(t) for layer in runner.attn_layers for t in (layer.k_cache, layer.v_cache)}
             regions = {t.untyped_storage().data_ptr() for t in weight_tensors(runner.model) if id(t) not in caches}
             assert len(regions) == 1 and regions.pop() % (2 << 20) == 0
@@ -251,6 +293,33 @@ def test_an_engine_on_huge_page_weights_computes_the_same(tiny_model_factory, qu
     outputs = greedy_outputs_on_and_off(tiny_model_factory("llama_gqa"), HUGE_PAGE_WEIGHTS_ENV, in_one_region, num_kv_blocks=256,
                                         quantization=quantization)
     assert outputs[0] == outputs[1]
+
+
+@needs_thp
+def test_an_engine_computes_the_same_across_its_weights_move(tiny_model_factory):
+    """The deferred move repoints the target's weights between two passes of a running engine (its C++ decode
+    program holds them too): the outputs are those of an engine whose weights never move."""
+    model = tiny_model_factory("llama_gqa")
+    prompts = random_prompts([5, 40, 70], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(HUGE_PAGE_WEIGHTS_ENV, "0")
+        expected = run(LLM(model=model, dtype="float32", block_size=4, num_kv_blocks=256))
+    llm = LLM(model=model, dtype="float32", block_size=4, num_kv_blocks=256)
+    runner = llm.llm_engine.executor.driver_runner
+    before = run(llm)  # on the weights where loading put them
+    pointers = [t.data_ptr() for t in weight_tensors(runner.model)]
+    assert runner.weight_move.wait(60)  # copied; repointed at the next pass
+    assert [t.data_ptr() for t in weight_tensors(runner.model)] == pointers
+    after = run(llm)
+    caches = {id(t) for layer in runner.attn_layers for t in (layer.k_cache, layer.v_cache)}
+    regions = {t.untyped_storage().data_ptr() for t in weight_tensors(runner.model) if id(t) not in caches}
+    assert len(regions) == 1 and regions.pop() % (2 << 20) == 0
+    assert before == expected and after == expected
 
 
 def _vm_flags_at(address: int) -> list[str]:

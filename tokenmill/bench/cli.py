@@ -261,15 +261,17 @@ def _load_engine(args: argparse.Namespace):
 
     config = engine_config_from_args(args)
     engine = DataParallelEngine(config) if config.parallel.data_parallel_size > 1 else LLMEngine(config)
-    _wait_for_kv_cache(engine)
+    _wait_until_warm(engine)
     return engine
 
 
-def _wait_for_kv_cache(engine) -> None:
-    """Let the KV caches' pages fault in first (worker/cpu_memory.py's KVPrefault, rank 0's: the target's and a
-    draft model's), so the timed runs see the engine as it runs once warm, as vLLM's and llama.cpp's are: they
-    fill their caches at start."""
+def _wait_until_warm(engine) -> None:
+    """Let the target's weights move into huge pages and the KV caches' pages fault in first (worker/cpu_memory.py's
+    WeightMove and KVPrefault, rank 0's: the target's and a draft model's), so the timed runs see the engine as
+    it runs once warm, as vLLM's and llama.cpp's are: they fill their caches at start."""
     worker = getattr(getattr(engine, "executor", None), "worker", None)
+    if worker is not None:
+        worker.finish_weight_moves()
     pending = [p for p in (worker.kv_prefaults() if worker is not None else []) if not p.wait(0)]
     if pending:
         print("faulting in the KV cache's pages before timing...", file=sys.stderr)

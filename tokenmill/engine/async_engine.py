@@ -243,6 +243,7 @@ class AsyncLLMEngine:
                     try:
                         commands.append(self._commands.get(timeout=0.2))
                     except queue.Empty:
+                        engine.idle()
                         continue
                 while True:
                     try:

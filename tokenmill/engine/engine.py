@@ -252,6 +252,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def idle(self) -> None:
+        """Called between steps when there is none to run (the serving loop, while it waits): work that must
+        happen between two passes, on the thread that runs them (the weights onto their huge-page copy)."""
+        self.executor.idle()
+
     def unfinished_request_ids(self) -> list[str]:
         """The user's ids of every request with a sequence in the scheduler."""
         ids = dict.fromkeys(self._groups)

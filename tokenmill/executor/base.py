@@ -50,6 +50,10 @@ class Executor:
         """One forward pass and the sampling of its chunks (on rank 0)."""
         return self.worker.execute_model(chunks, grammar_bitmask)
 
+    def idle(self) -> None:
+        """Between steps, with none to run (rank 0's worker: Worker.idle)."""
+        self.worker.idle()
+
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop per-request state kept between steps (the draft model's) for these requests."""
         self.worker.forget(request_ids)

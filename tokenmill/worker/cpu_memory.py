@@ -29,7 +29,8 @@ glibc's mmap threshold was mapped, faulted in and unmapped again on every layer.
   that is a TLB miss every 4 KB, and the hardware prefetchers stop at each page's end, so each
   page's first lines wait on memory. SmolLM2's 120 layers (benchmarks/huge_page_weights.py, Zen 4,
   alternating in one process, two runs): bf16 1.32-1.38x the speed at one row and 1.16-1.20x at 32
-  rows, int4 1.14-1.21x at one row.
+  rows, int4 1.14-1.21x at one row. WeightMove does it for a single-process engine's target without
+  holding up the start: the copy on a background thread, the repointing between two passes.
 
 - KVPrefault: faults the KV cache's pages in ahead of use, on a background thread at the lowest
   priority while the engine is idle, in the order the block pool hands blocks out: a first touch
@@ -170,33 +171,58 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     Each old storage is freed as soon as it is copied, and the heap's free memory goes back to the
     system at the end (malloc_trim). Returns the bytes moved: 0 where transparent huge pages are off (nothing gained), with
     TOKENMILL_HUGE_PAGE_WEIGHTS=0, or without glibc."""
-    if os.environ.get(HUGE_PAGE_WEIGHTS_ENV, "1") == "0" or not _huge_pages_possible():
+    if not _weight_move_wanted():
         return 0
-    storages: dict[int, list[torch.Tensor]] = {}
-    for tensor in weight_tensors(model):
-        storages.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
-    sizes = {key: group[0].untyped_storage().nbytes() for key, group in storages.items()}
-    slots = {key: -(-size // _ALIGN) * _ALIGN for key, size in sizes.items()}  # each storage's share of the region
-    total = sum(slots.values())
+    storages = _weight_storages(model)
+    slots, total = _weight_slots(storages)
     if total == 0:
         return 0
     arena = torch.from_numpy(zeros_huge_page_aligned((total,), torch.uint8))
-    offset = 0
     with torch.inference_mode():  # set_ on inference tensors (weights processed under inference mode) too
         for key, group in storages.items():
-            size = sizes[key]
             old = torch.empty(0, dtype=torch.uint8).set_(group[0].untyped_storage())
+            offset, size = slots[key]
             arena[offset : offset + size].copy_(old)
             del old
-            for tensor in group:
-                item = tensor.element_size()
-                tensor.set_(arena.untyped_storage(), (offset + tensor.storage_offset() * item) // item, tensor.size(), tensor.stride())
-            offset += slots[key]
+            _repoint(group, arena, offset)
     storages.clear()
+    _trim_heap()
+    return total
+
+
+def _weight_move_wanted() -> bool:
+    return os.environ.get(HUGE_PAGE_WEIGHTS_ENV, "1") != "0" and _huge_pages_possible()
+
+
+def _weight_storages(model: nn.Module) -> dict[int, list[torch.Tensor]]:
+    """The model's weight tensors (weight_tensors) grouped by the storage they lie in (its address)."""
+    storages: dict[int, list[torch.Tensor]] = {}
+    for tensor in weight_tensors(model):
+        storages.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+    return storages
+
+
+def _weight_slots(storages: dict[int, list[torch.Tensor]]) -> tuple[dict[int, tuple[int, int]], int]:
+    """Each storage's (offset, bytes) in one region, every one starting on a cache line, and the region's size."""
+    slots, total = {}, 0
+    for key, group in storages.items():
+        size = group[0].untyped_storage().nbytes()
+        slots[key] = (total, size)
+        total += -(-size // _ALIGN) * _ALIGN
+    return slots, total
+
+
+def _repoint(group: list[torch.Tensor], arena: torch.Tensor, offset: int) -> None:
+    """The tensors of one storage onto its copy at arena[offset:], in place (each keeps its own offset, size and strides)."""
+    for tensor in group:
+        item = tensor.element_size()
+        tensor.set_(arena.untyped_storage(), (offset + tensor.storage_offset() * item) // item, tensor.size(), tensor.stride())
+
+
+def _trim_heap() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)  # the heap's freed weights back to the system (tune_malloc turned trimming off)
-    return total
 
 
 @functools.cache
@@ -270,40 +296,50 @@ _PREFAULT_RESERVE, _PREFAULT_RESERVE_FRACTION = 1 << 30, 0.1
 _PREFAULT_CHUNK = 2 << 20
 
 
-class KVPrefault:
-    """Faults in the pages of KV cache tensors [num_kv_heads, num_blocks, block_size, head_dim] on a
-    daemon thread at nice 19, block range by block range from block 0 (each range in every tensor and
-    head), so the blocks handed out first are ready first. It works only while the engine is idle
-    (no step for IDLE_AFTER seconds; the runner wraps each step in busy()): a server fills its cache
-    between requests, and a busy engine (an offline batch, a short script) is not slowed by it (nor
-    does a short script fault in a cache it never uses). wait() lets it run regardless and blocks
-    until it is done (the benchmarks call it, to time the engine as it runs once warm, as the peers'
-    engines are: they fill their caches at start). It holds the tensors weakly and stops once they
-    are freed, and at the interpreter's exit (stop()): a daemon thread still in a call when Python
-    finalizes is torn down mid-call, which aborted processes ("terminate called without an active
+class IdleWork:
+    """Work done on a daemon thread while the engine is idle: no pass for IDLE_AFTER seconds (the runner
+    wraps each pass in busy()), and before its first pass not until `start_after` seconds have passed (the
+    engine's own start, a server's, is CPU work too). The thread runs at `niceness` and calls
+    _wait_until_idle() between pieces of work (each a few ms at most). wait() lets it run regardless and
+    blocks until it is done (the benchmarks call it, to time the engine as it runs once warm). stop() ends
+    it after its current piece, and runs at the interpreter's exit: a daemon thread still in a call when
+    Python finalizes is torn down mid-call, which aborted processes ("terminate called without an active
     exception", SIGABRT: a script or benchmark ending while a draft model's cache was still faulting in)."""
 
     IDLE_AFTER = 0.05  # seconds without a step before the engine counts as idle
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, name: str, niceness: int, start_after: float = 0.0) -> None:
         self._done = threading.Event()
-        self._unhurried = threading.Event()  # set by wait(): fault in whether or not the engine is idle
+        self._unhurried = threading.Event()  # set by wait(): work whether or not the engine is idle
         self._stopping = threading.Event()  # set by stop()
         self._thread: threading.Thread | None = None
+        self._name, self._niceness = name, niceness
         self._steps = 0  # steps running (0 or 1)
         self._last_step = time.monotonic()
-        libc = _libc()
-        if (not tensors or os.environ.get(KV_PREFAULT_ENV, "1") == "0" or libc is None or not hasattr(libc, "madvise")
-                or any(t.device.type != "cpu" or t.dim() != 4 or not t.is_contiguous() for t in tensors)):
-            self._done.set()
-            return
-        refs = [weakref.ref(t) for t in tensors]
-        self._thread = threading.Thread(target=self._run, args=(libc, refs), name="tokenmill-kv-prefault", daemon=True)
+        self._not_before = self._last_step + start_after  # while no pass has run
+        self.first_pass: float | None = None  # when the first pass started (time.monotonic)
+
+    def _start(self, *args) -> None:
+        """Run _work(*args) on the thread (a subclass's __init__ calls this, or sets _done: nothing to do)."""
+        self._thread = threading.Thread(target=self._run, args=args, name=self._name, daemon=True)
         self._thread.start()
         atexit.register(_stop_at_exit, weakref.ref(self))
 
+    def _work(self, *args) -> None:
+        raise NotImplementedError
+
+    def _run(self, *args) -> None:
+        try:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._niceness)  # this thread only (Linux)
+            except (AttributeError, OSError):
+                pass
+            self._work(*args)
+        finally:
+            self._done.set()
+
     def stop(self) -> None:
-        """Stop faulting in, and wait for the thread to finish its call (one huge page at most)."""
+        """Stop working, and wait for the thread to finish its current piece."""
         self._stopping.set()
         self._unhurried.set()  # out of _wait_until_idle
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -311,7 +347,9 @@ class KVPrefault:
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
-        """Around an engine step: no faulting in while it runs, nor for IDLE_AFTER seconds after."""
+        """Around an engine step: no work while it runs, nor for IDLE_AFTER seconds after."""
+        if self.first_pass is None:
+            self.first_pass, self._not_before = time.monotonic(), 0.0
         self._steps += 1
         try:
             yield
@@ -321,50 +359,14 @@ class KVPrefault:
 
     def _wait_until_idle(self) -> None:
         while not self._unhurried.is_set():
-            quiet = time.monotonic() - self._last_step
-            if self._steps == 0 and quiet >= self.IDLE_AFTER:
+            now = time.monotonic()
+            quiet = now - self._last_step
+            if self._steps == 0 and quiet >= self.IDLE_AFTER and now >= self._not_before:
                 return
             self._unhurried.wait(max(self.IDLE_AFTER - quiet, self.IDLE_AFTER / 2))
 
-    def _run(self, libc: ctypes.CDLL, refs: list[weakref.ref]) -> None:
-        try:
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
-            except (AttributeError, OSError):
-                pass
-            # (heads, blocks, bytes a block of one head) of each tensor, read once while they are alive.
-            shapes = [(t.shape[0], t.shape[1], t[0, 0].nbytes) for t in (ref() for ref in refs) if t is not None]
-            if len(shapes) < len(refs):
-                return
-            num_blocks = max(blocks for _, blocks, _ in shapes)
-            step = max(1, _PREFAULT_CHUNK // max(block for _, _, block in shapes))
-            reserve = max(_PREFAULT_RESERVE, int(_PREFAULT_RESERVE_FRACTION * psutil.virtual_memory().total))
-            per_range = _PREFAULT_CHUNK * sum(heads for heads, _, _ in shapes)  # what one range of blocks commits, at most
-            for first in range(0, num_blocks, step):
-                if psutil.virtual_memory().available < reserve + per_range:
-                    logger.debug("KV cache prefault stopped at block %d of %d: the machine's memory is running low", first, num_blocks)
-                    return
-                for ref, (heads, blocks, block) in zip(refs, shapes):
-                    t = ref()
-                    if t is None:  # the cache was freed (its engine is gone)
-                        return
-                    length = (min(first + step, blocks) - first) * block
-                    for head in range(heads):
-                        self._wait_until_idle()
-                        if self._stopping.is_set():
-                            return
-                        start = t.data_ptr() + (head * blocks + first) * block
-                        aligned = start // _PAGE * _PAGE
-                        if not _madvise(libc, aligned, start + length - aligned, _MADV_POPULATE_WRITE):
-                            logger.debug("MADV_POPULATE_WRITE failed (errno %d): the KV cache faults in as it is used", ctypes.get_errno())
-                            return
-                    del t
-        finally:
-            self._done.set()
-
     def wait(self, timeout: float | None = None) -> bool:
-        """Fault in the rest now, busy engine or not; True once every page is in (or prefaulting was
-        skipped or stopped)."""
+        """Do the rest now, busy engine or not; True once done (or skipped, or stopped)."""
         self._unhurried.set()
         return self._done.wait(timeout)
 
@@ -372,7 +374,171 @@ class KVPrefault:
         return self._done.is_set()
 
 
-def _stop_at_exit(prefault: weakref.ref) -> None:
-    live = prefault()
+class KVPrefault(IdleWork):
+    """Faults in the pages of KV cache tensors [num_kv_heads, num_blocks, block_size, head_dim] on a
+    daemon thread at nice 19, block range by block range from block 0 (each range in every tensor and
+    head), so the blocks handed out first are ready first. It works only while the engine is idle
+    (IdleWork): a server fills its cache between requests, and a busy engine (an offline batch, a short
+    script) is not slowed by it (nor does a short script fault in a cache it never uses); the benchmarks
+    wait() for it, as the peers' engines fill their caches at start. It holds the tensors weakly and
+    stops once they are freed."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__("tokenmill-kv-prefault", niceness=19)
+        libc = _libc()
+        if (not tensors or os.environ.get(KV_PREFAULT_ENV, "1") == "0" or libc is None or not hasattr(libc, "madvise")
+                or any(t.device.type != "cpu" or t.dim() != 4 or not t.is_contiguous() for t in tensors)):
+            self._done.set()
+            return
+        self._start(libc, [weakref.ref(t) for t in tensors])
+
+    def _work(self, libc: ctypes.CDLL, refs: list[weakref.ref]) -> None:
+        # (heads, blocks, bytes a block of one head) of each tensor, read once while they are alive.
+        shapes = [(t.shape[0], t.shape[1], t[0, 0].nbytes) for t in (ref() for ref in refs) if t is not None]
+        if len(shapes) < len(refs):
+            return
+        num_blocks = max(blocks for _, blocks, _ in shapes)
+        step = max(1, _PREFAULT_CHUNK // max(block for _, _, block in shapes))
+        reserve = max(_PREFAULT_RESERVE, int(_PREFAULT_RESERVE_FRACTION * psutil.virtual_memory().total))
+        per_range = _PREFAULT_CHUNK * sum(heads for heads, _, _ in shapes)  # what one range of blocks commits, at most
+        for first in range(0, num_blocks, step):
+            if psutil.virtual_memory().available < reserve + per_range:
+                logger.debug("KV cache prefault stopped at block %d of %d: the machine's memory is running low", first, num_blocks)
+                return
+            for ref, (heads, blocks, block) in zip(refs, shapes):
+                t = ref()
+                if t is None:  # the cache was freed (its engine is gone)
+                    return
+                length = (min(first + step, blocks) - first) * block
+                for head in range(heads):
+                    self._wait_until_idle()
+                    if self._stopping.is_set():
+                        return
+                    start = t.data_ptr() + (head * blocks + first) * block
+                    aligned = start // _PAGE * _PAGE
+                    if not _madvise(libc, aligned, start + length - aligned, _MADV_POPULATE_WRITE):
+                        logger.debug("MADV_POPULATE_WRITE failed (errno %d): the KV cache faults in as it is used", ctypes.get_errno())
+                        return
+                del t
+
+
+class WeightMove(IdleWork):
+    """move_weights_to_huge_pages without holding up the start (defer=True). The model's weights are copied
+    into the huge-page region a huge page at a time by a daemon thread while the engine is idle (IdleWork:
+    not before its first pass or START_AFTER seconds: a server waiting for its first request), and
+    before_pass(), on the thread that runs the model's passes, repoints the tensors onto the copy once it
+    is whole. An engine busy for PATIENCE seconds since its first pass (an offline batch) finishes the copy
+    itself before its next pass, the engine thread and the daemon thread copying together (a thread
+    copying beside the forward pass slowed its OpenMP threads more than the copy costs). A fresh huge page
+    costs a fault and a zeroing on first touch: on the VMs measured, 0.3-0.9 GB/s a thread, 0.3-0.6 s of
+    `LLM()` for SmolLM2's weights, which a first token no longer waits for (README, "Start-up"). The copy
+    holds the old storages weakly, and the repointing takes the tensors the model holds then
+    (weight_tensors), so a view made meanwhile follows its base; one held elsewhere keeps the old memory
+    alive and correct. Both copies are in memory until then: deferred only while the weights are at most
+    DEFER_MAX_SHARE of the available memory, else moved at once (defer=False too), as
+    move_weights_to_huge_pages does, storage by storage."""
+
+    PATIENCE = 1.0
+    START_AFTER = 2.0
+    DEFER_MAX_SHARE = 0.25
+    CHUNK = _HUGE_PAGE  # bytes copied at a time: one huge page's fault and zeroing, a few ms
+
+    def __init__(self, model: nn.Module, defer: bool, enabled: bool = True) -> None:
+        """enabled=False: nothing to move (a model on another device)."""
+        super().__init__("tokenmill-weight-move", niceness=0, start_after=self.START_AFTER)
+        self._model = weakref.ref(model)
+        self._arena: np.ndarray | None = None  # the region, until the tensors are repointed onto it
+        self._chunks: list[tuple[weakref.ref, int, int, int]] = []  # (a storage's first tensor, its offset, start, bytes)
+        self._next = self._copied = 0  # chunks claimed, chunks copied
+        self._lock = threading.Lock()
+        self._whole = threading.Event()  # every chunk copied
+        self.moved = 0  # bytes moved
+        storages = _weight_storages(model) if enabled and _weight_move_wanted() else {}
+        self._slots, total = _weight_slots(storages)
+        if not defer or total > self.DEFER_MAX_SHARE * psutil.virtual_memory().available:
+            storages.clear()
+            self.moved = move_weights_to_huge_pages(model) if total else 0
+            self._done.set()
+            return
+        if total == 0:
+            self._done.set()
+            return
+        self._arena = zeros_huge_page_aligned((total,), torch.uint8)  # lazily zeroed: touched as it is copied
+        self._chunks = [(weakref.ref(group[0]), self._slots[key][0], start, min(self.CHUNK, self._slots[key][1] - start))
+                        for key, group in storages.items() for start in range(0, self._slots[key][1], self.CHUNK)]
+        self._start()
+
+    def _work(self) -> None:
+        while True:
+            self._wait_until_idle()
+            if self._stopping.is_set() or not self._copy_one():
+                return
+
+    def _copy_one(self) -> bool:
+        """Copy the next chunk no thread has claimed; False once none is left (or the model is gone)."""
+        with self._lock:
+            index, self._next = self._next, self._next + 1
+        if index >= len(self._chunks):
+            return False
+        ref, offset, start, size = self._chunks[index]
+        tensor = ref()
+        if tensor is None:  # the model is gone
+            self._stopping.set()
+            return False
+        # ctypes releases the GIL for the call: the engine's threads run meanwhile.
+        ctypes.memmove(self._arena.ctypes.data + offset + start, tensor.untyped_storage().data_ptr() + start, size)
+        del tensor
+        with self._lock:
+            self._copied += 1
+            if self._copied == len(self._chunks):
+                self._whole.set()
+        return True
+
+    def before_pass(self) -> int:
+        """On the thread that runs the model's passes, before one: repoint_if_copied(), after finishing the copy
+        if the engine has been busy for PATIENCE seconds since its first pass."""
+        if self._arena is None:  # the check before every pass: nothing else once moved
+            return 0
+        if not self._whole.is_set() and self.first_pass is not None and time.monotonic() - self.first_pass >= self.PATIENCE:
+            self.finish_copy()
+        return self.repoint_if_copied()
+
+    def finish_copy(self) -> None:
+        """Copy every chunk left now, this thread and the daemon thread together, until the copy is whole (or stopped)."""
+        self._unhurried.set()
+        while not self._stopping.is_set() and self._copy_one():
+            pass
+        while not self._whole.wait(0.01) and not self._stopping.is_set():
+            pass
+
+    def finish(self) -> int:
+        """The move done now (on the thread that runs the passes, between two); the bytes moved."""
+        if self._arena is not None:
+            self.finish_copy()
+            self.repoint_if_copied()
+        return self.moved
+
+    def repoint_if_copied(self) -> int:
+        """Once the copy is whole, the model's tensors onto it (on the thread that runs the model's passes,
+        between two: before one, or LLMEngine.idle); the bytes moved, 0 while not yet (or nothing to move)."""
+        if self._arena is None or not self._whole.is_set():
+            return 0
+        arena, self._arena = self._arena, None
+        model = self._model()
+        if model is None:
+            return 0
+        region = torch.from_numpy(arena)
+        with torch.inference_mode():  # set_ on inference tensors (weights processed under inference mode) too
+            for key, group in _weight_storages(model).items():
+                if key in self._slots:
+                    _repoint(group, region, self._slots[key][0])
+        self.moved = arena.nbytes
+        del region, arena
+        _trim_heap()
+        return self.moved
+
+
+def _stop_at_exit(work: weakref.ref) -> None:
+    live = work()
     if live is not None:
         live.stop()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -15,7 +16,7 @@ from tokenmill.layers.attention_metadata import BatchInputs
 from tokenmill.layers.kv_quant import KVScales, kv_storage_dtype, scale_bytes_per_block
 from tokenmill.spec_decode.verify import draft_rows, kept_tree_rows, num_kept
 from tokenmill.worker.batch import build_batch_inputs
-from tokenmill.worker.cpu_memory import (KVPrefault, move_weights_to_huge_pages, small_pages_where_heads_start, tune_malloc,
+from tokenmill.worker.cpu_memory import (KVPrefault, WeightMove, small_pages_where_heads_start, tune_malloc,
                                          zeros_huge_page_aligned)
 from tokenmill.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, argmax_and_logsumexp, compute_logprobs
 
@@ -33,11 +34,15 @@ class Followers:
 class ModelRunner:
     """followers: with tensor parallelism, on rank 0, the other ranks: every operation that runs the
     model or touches its KV cache is announced to them first (as ("op", name, args)), so they run the
-    same one on their shards in step; `name` tells them which model (the target's or the draft's)."""
+    same one on their shards in step; `name` tells them which model (the target's or the draft's).
+
+    defer_weight_move: on the CPU, the weights move into huge pages in the background (WeightMove) and the
+    runner repoints them before a pass once copied, instead of before its first pass (only for a runner
+    whose every pass goes through forward())."""
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
                  followers: "Followers | None" = None, name: str = "target", kv_cache_dtype: str = "auto",
-                 cascade_attention: bool = True) -> None:
+                 cascade_attention: bool = True, defer_weight_move: bool = False) -> None:
         self.model = model
         self.followers = followers
         self.name = name
@@ -66,7 +71,12 @@ class ModelRunner:
         self.extra_logits_observer: Callable[[list[ScheduledChunk], list[list[int]], torch.Tensor], None] | None = None
         if device.type == "cpu":
             tune_malloc()
-            move_weights_to_huge_pages(model)
+        self.weight_move = WeightMove(model, defer=defer_weight_move, enabled=device.type == "cpu")
+
+    def finish_weight_move(self) -> int:
+        """The weights' move into huge pages done now (a deferred one: copied, then repointed), on the thread that
+        runs the passes, between two; the bytes moved."""
+        return self.weight_move.finish()
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes in every layer: K and V rows in the cache's dtype, plus int8's per-row scales."""
@@ -138,9 +148,14 @@ class ModelRunner:
                 cache.index_copy_(1, dst, cache.index_select(1, src))
 
     def execute(self, chunks: list[ScheduledChunk], grammar_bitmask: torch.Tensor | None = None) -> "ModelRunnerOutput":
-        """One step (see _execute); the KV cache's prefault waits while it runs."""
-        with self.kv_prefault.busy():
+        """One step (see _execute); the KV cache's prefault and the weights' move wait while it runs."""
+        with self._pass():
             return self._execute(chunks, grammar_bitmask)
+
+    @contextlib.contextmanager
+    def _pass(self) -> Iterator[None]:
+        with self.kv_prefault.busy(), self.weight_move.busy():
+            yield
 
     @torch.inference_mode()
     def _execute(self, chunks: list[ScheduledChunk], grammar_bitmask: torch.Tensor | None = None) -> "ModelRunnerOutput":
@@ -203,7 +218,7 @@ class ModelRunner:
         """Each sampled row's argmax over the raw logits, as the sampler picks a plain greedy row (ties
         too): a forward pass and its logits without the sampler's metadata and outputs, for a proposer's
         passes where nothing else applies (ScheduledChunk.greedy_after_drafts)."""
-        with self.kv_prefault.busy(), torch.inference_mode():
+        with self._pass(), torch.inference_mode():
             hidden = self.forward(batch)
             return argmax_and_logsumexp(self.compute_logits(hidden, batch.logits_indices))[0]
 
@@ -253,6 +268,7 @@ class ModelRunner:
 
     def forward(self, batch: BatchInputs) -> torch.Tensor:
         """The hidden states of the batch's tokens (every rank's forward pass: the layers all-reduce)."""
+        self.weight_move.before_pass()  # the weights onto their huge-page copy, once made (nothing runs on them now)
         self._announce("forward", batch if self.device.type == "cpu" else batch.to(torch.device("cpu")))
         return self.model(batch.input_ids, batch.positions, batch)
 

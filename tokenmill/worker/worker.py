@@ -60,8 +60,10 @@ class Worker:
         quant = get_quantization_config(config.model.quantization, config.model.quantization_options, spec.device, spec.dtype,
                                         source.hf_config)
         model = build_model(source, spec.device, spec.dtype, spec.max_model_len, quant, self.comm)
+        # One rank: the target's weights move into huge pages in the background (the first token does not wait
+        # for it); with tensor parallelism every rank moves its shard before its first pass, as the ranks start together.
         self.runner = ModelRunner(model, spec.device, spec.dtype, config.cache.block_size, followers, "target",
-                                  config.cache.kv_cache_dtype, config.cache.cascade_attention)
+                                  config.cache.kv_cache_dtype, config.cache.cascade_attention, defer_weight_move=self.comm.size == 1)
         self.drafter = self._make_drafter(source, followers)
 
     def _make_drafter(self, source: ModelSource, followers: Followers | None) -> DraftModelProposer | MedusaProposer | EagleProposer | None:
@@ -130,6 +132,15 @@ class Worker:
     def _share_draft_kv(self) -> None:
         if self._draft_shares_kv():
             self.drafter.runner.share_kv_cache(self.runner)
+
+    def idle(self) -> None:
+        """Between steps, with none to run: the target's weights onto their huge-page copy once it is made
+        (else both copies stay in memory until the next step)."""
+        self.runner.weight_move.repoint_if_copied()
+
+    def finish_weight_moves(self) -> None:
+        """The target's weights in huge pages now (the benchmarks, before timing)."""
+        self.runner.finish_weight_move()
 
     def kv_prefaults(self) -> list:
         """Each KV cache's prefault on this rank (worker/cpu_memory.py's KVPrefault): the target's, and a draft's."""

@@ -101,8 +101,14 @@ class ReplicaLoop:
     def run(self) -> None:
         engine = self.engine
         while True:
-            # Idle: wait for a command. Busy: take whatever has arrived, then step.
-            commands = [] if engine.has_unfinished_requests() else [self._inbox.get()]
+            # Idle: wait for a command (between waits, LLMEngine.idle). Busy: take whatever has arrived, then step.
+            commands = []
+            if not engine.has_unfinished_requests():
+                try:
+                    commands.append(self._inbox.get(timeout=0.2))
+                except queue.Empty:
+                    engine.idle()
+                    continue
             while True:
                 try:
                     commands.append(self._inbox.get_nowait())
