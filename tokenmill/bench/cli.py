@@ -271,7 +271,7 @@ def _wait_until_warm(engine) -> None:
     it runs once warm, as vLLM's and llama.cpp's are: they fill their caches at start."""
     worker = getattr(getattr(engine, "executor", None), "worker", None)
     if worker is not None:
-        worker.finish_weight_moves()
+        worker.finish_weight_move()
     pending = [p for p in (worker.kv_prefaults() if worker is not None else []) if not p.wait(0)]
     if pending:
         print("faulting in the KV cache's pages before timing...", file=sys.stderr)

@@ -171,9 +171,11 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     Each old storage is freed as soon as it is copied, and the heap's free memory goes back to the
     system at the end (malloc_trim). Returns the bytes moved: 0 where transparent huge pages are off (nothing gained), with
     TOKENMILL_HUGE_PAGE_WEIGHTS=0, or without glibc."""
-    if not _weight_move_wanted():
-        return 0
-    storages = _weight_storages(model)
+    return _move_at_once(_weight_storages(model)) if _weight_move_wanted() else 0
+
+
+def _move_at_once(storages: dict[int, list[torch.Tensor]]) -> int:
+    """move_weights_to_huge_pages for these storages (_weight_storages), the dict emptied once done."""
     slots, total = _weight_slots(storages)
     if total == 0:
         return 0
@@ -455,12 +457,8 @@ class WeightMove(IdleWork):
         self.moved = 0  # bytes moved
         storages = _weight_storages(model) if enabled and _weight_move_wanted() else {}
         self._slots, total = _weight_slots(storages)
-        if not defer or total > self.DEFER_MAX_SHARE * psutil.virtual_memory().available:
-            storages.clear()
-            self.moved = move_weights_to_huge_pages(model) if total else 0
-            self._done.set()
-            return
-        if total == 0:
+        if total == 0 or not defer or total > self.DEFER_MAX_SHARE * psutil.virtual_memory().available:
+            self.moved = _move_at_once(storages)  # the storages found above: the model is walked once
             self._done.set()
             return
         self._arena = zeros_huge_page_aligned((total,), torch.uint8)  # lazily zeroed: touched as it is copied

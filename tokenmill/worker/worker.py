@@ -138,7 +138,7 @@ class Worker:
         (else both copies stay in memory until the next step)."""
         self.runner.weight_move.repoint_if_copied()
 
-    def finish_weight_moves(self) -> None:
+    def finish_weight_move(self) -> None:
         """The target's weights in huge pages now (the benchmarks, before timing)."""
         self.runner.finish_weight_move()
 
