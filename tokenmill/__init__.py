@@ -10,7 +10,10 @@ def __getattr__(name: str):
     # LLM pulls in torch and the model code; import it lazily so `import tokenmill`
     # and `tokenmill --help` stay fast.
     if name == "LLM":
-        from tokenmill.llm import LLM
+        from tokenmill.gc_startup import long_lived_import
+
+        with long_lived_import("tokenmill.llm"):  # torch and the engine's code: see gc_startup
+            from tokenmill.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from tokenmill.errors import TokenmillError
+from tokenmill.gc_startup import long_lived_import
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -227,9 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.set_defaults(func=cmd_build_kernels)
 
     # serve, bench, train-medusa and train-eagle live with their code; each registers its own subcommand.
-    from tokenmill.bench.cli import add_bench_parser
-    from tokenmill.entrypoints.openai.cli_args import add_serve_parser
-    from tokenmill.training.cli import add_train_eagle_parser, add_train_medusa_parser
+    # Their flags' choices come from the engine's config, which imports torch: see gc_startup.
+    with long_lived_import("torch"):
+        from tokenmill.bench.cli import add_bench_parser
+        from tokenmill.entrypoints.openai.cli_args import add_serve_parser
+        from tokenmill.training.cli import add_train_eagle_parser, add_train_medusa_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)

@@ -17,6 +17,7 @@ from typing import Any
 
 from tokenmill.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from tokenmill.entrypoints.openai.tool_parsers import get_tool_parser
+from tokenmill.gc_startup import long_lived_import
 from tokenmill.loader.source import in_background
 
 
@@ -42,8 +43,9 @@ def make_server_engine(args: argparse.Namespace) -> Any:
 
 
 def _import_api_server() -> ModuleType:
-    importlib.import_module("uvicorn")
-    return importlib.import_module("tokenmill.entrypoints.openai.api_server")
+    with long_lived_import("fastapi"):  # FastAPI and the API's pydantic models: see gc_startup
+        importlib.import_module("uvicorn")
+        return importlib.import_module("tokenmill.entrypoints.openai.api_server")
 
 
 def serve(args: argparse.Namespace) -> None:
