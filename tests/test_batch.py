@@ -160,3 +160,36 @@ def test_next_rows_batch_is_the_built_batch_of_the_requests_kept():
     want = build([chunk("a", [53], start=4, blocks=[3, 7, 9]), chunk("c", [76], start=6, blocks=[5, 8, 0])])
     got = assert_same_decodes(moved, want)
     assert moved.plain_decode_group() is got
+
+
+def _same_batch(a: BatchInputs, b: BatchInputs) -> None:
+    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert (a.block_size, a.num_tokens, len(a.attn_groups)) == (b.block_size, b.num_tokens, len(b.attn_groups))
+    for g, h in zip(a.attn_groups, b.attn_groups):
+        for name in ("token_index", "block_table", "query_pos", "tree_start", "tree_mask"):
+            x, y = getattr(g, name), getattr(h, name)
+            assert (x is None and y is None) or (x.dtype == y.dtype and torch.equal(x, y)), name
+        assert g.from_start == h.from_start
+        assert (g.shared_prefix is None) == (h.shared_prefix is None)
+        if g.shared_prefix is not None:
+            assert g.shared_prefix[0] == h.shared_prefix[0] and torch.equal(g.shared_prefix[1], h.shared_prefix[1])
+
+
+def test_plain_decodes_take_the_short_path_to_the_same_batch():
+    """A batch of plain decodes (the steady state) is built with fewer numpy calls: the same tensors as the
+    general path's, for one request, requests of different block counts (one at a block's first slot, one
+    at position 0), and the 16 requests over a shared 256-token prefix that cascade attention takes."""
+    from tokenmill.worker.batch import _any_chunks
+
+    cpu = torch.device("cpu")
+    cases = [
+        [chunk("a", [50], start=9, blocks=[3, 7, 9])],
+        [chunk("a", [50], start=8, blocks=[3, 7, 9]), chunk("b", [60], start=5, blocks=[6, 2]), chunk("c", [70], start=0, blocks=[5])],
+        [chunk(str(i), [i], start=256 + i, blocks=list(range(100, 164)) + [200 + i, 300 + i, 400 + i, 500 + i]) for i in range(16)],
+    ]
+    for chunks in cases:
+        for cascade in (True, False):
+            _same_batch(build_batch_inputs(chunks, 4, cpu, cascade), _any_chunks(chunks, 4, cpu, cascade))
+    assert build_batch_inputs(cases[2], 4, cpu).attn_groups[0].shared_prefix is not None

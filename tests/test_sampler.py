@@ -203,6 +203,13 @@ def test_all_greedy_is_argmax():
     assert sample(logits, SamplingParams(temperature=0.0)) == logits.argmax(dim=1).tolist()
 
 
+def test_an_all_greedy_batch_makes_no_sampling_tensors():
+    meta = metadata([SamplingParams(temperature=0.0)] * 3)
+    assert meta.all_greedy and meta.temperature is None and meta.seeds is None and meta.steps is None
+    mixed = metadata([SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)])
+    assert not mixed.all_greedy and mixed.temperature.tolist() == [0.0, pytest.approx(0.7)]
+
+
 def test_greedy_rows_in_mixed_batch_are_argmax():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(12, 64, generator=gen)
