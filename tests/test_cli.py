@@ -50,3 +50,10 @@ def test_bad_input_is_a_one_line_error(args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_parser_does_not_import_torch():
+    """`tokenmill --help` (and any flag error) answers without torch's second-long import."""
+    code = "import sys\nfrom tokenmill.entrypoints.cli import build_parser\nbuild_parser()\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

@@ -7,8 +7,7 @@ import argparse
 from collections.abc import Callable
 
 from tokenmill.bench.datasets import CHAT_TRAIN_PROMPTS
-from tokenmill.training.eagle import EagleTrainingConfig
-from tokenmill.training.medusa import MedusaTrainingConfig
+from tokenmill.training.configs import EagleTrainingConfig, MedusaTrainingConfig
 
 
 

@@ -27,28 +27,11 @@ from tqdm.auto import tqdm
 from tokenmill.loader import load_model_source
 from tokenmill.models.medusa import MedusaHeads
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.training.configs import MedusaTrainingConfig
 from tokenmill.training.selfdistill import HiddenStateCollector, chat_prompts, generate_with_states, target_lm_head
 
 __all__ = ["MedusaTrainingConfig", "MedusaTrainingReport", "build_examples", "train_medusa_heads", "HiddenStateCollector",
            "chat_prompts", "target_lm_head"]
-
-
-@dataclass
-class MedusaTrainingConfig:
-    num_heads: int = 3
-    num_layers: int = 1
-    max_tokens: int = 192  # generated per prompt
-    temperature: float = 0.0  # of the generation (0: greedy, what a greedy deployment will see)
-    epochs: int = 4
-    batch_size: int = 256  # positions per optimizer step
-    lr: float = 1e-3  # the residual blocks'; the LM heads' is a tenth of it
-    head_decay: float = 0.8  # head i's loss weight is head_decay ** i
-    # The heads use the target's LM head (trained: their blocks only), which the runner reads once per step
-    # for the target and all heads; False: each head an LM head of its own (Medusa's layout), a copy of the
-    # target's at the start, trained at a tenth of lr, and read on every step besides the target's.
-    shared_lm_head: bool = True
-    held_out: float = 0.1  # the fraction of sequences kept for the accuracy estimate
-    seed: int = 0
 
 
 @dataclass
