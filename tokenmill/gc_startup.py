@@ -8,10 +8,10 @@ built (the tokenizer's thread importing transformers). Pausing the collector whi
 `gc.freeze()` (CPython moves every object it tracks into a permanent generation no collection walks)
 removes that, and shortens every later full collection too, such as those a serving loop meets.
 
-The price: cycles already garbage at the freeze are never freed (about 7,000 objects, ~1 MB, after
-importing torch). So a block pauses and freezes only when its module is not imported yet: once per
-process, not once per engine (a process building many engines, a test suite, would otherwise freeze the
-garbage cycles of the engines before).
+The price: frozen objects that are, or later become, garbage in a reference cycle are never freed (after
+importing torch, ~7,000 objects already were: ~1 MB). So a block pauses and freezes only when its module
+is not imported yet: once per process, not once per engine (a process building many engines, a test
+suite, would otherwise freeze the engines it is done with, and their caches, whenever one is built).
 """
 
 from __future__ import annotations
