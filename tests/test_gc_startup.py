@@ -63,3 +63,13 @@ def test_the_engine_import_leaves_torch_frozen_and_the_collector_on():
             "print(gc.isenabled(), gc.get_freeze_count() > 100000, LLM.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["True", "True", "LLM"]
+
+
+def test_an_engine_is_freed_after_del_whatever_its_build_imported():
+    """A fresh interpreter's first LLM() (whose tokenizer thread imports transformers meanwhile): nothing of the
+    engine is frozen, so `del llm` and a collection free its model's weights."""
+    code = ("import gc, weakref\nfrom tokenmill import LLM\nllm = LLM(dtype='float32', max_model_len=256)\n"
+            "ref = weakref.ref(next(iter(llm.llm_engine.executor.worker.runner.model.parameters())))\n"
+            "del llm\ngc.collect()\nprint(ref() is None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split()[-1] == "True"

@@ -12,7 +12,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.gc_startup import long_lived_import
 from tokenmill.loader.config_cache import load_config
 from tokenmill.loader.source import ModelSource, done, eos_ids_from, in_background
 from tokenmill.models.registry import get_model_class
@@ -86,9 +85,9 @@ def _generic_tokenizer_class(path: str) -> bool:
 
 def load_tokenizer(path: str):
     try:
-        with long_lived_import("transformers"):  # the first import of transformers' tokenizer code: see gc_startup
-            from transformers import PreTrainedTokenizerFast
         if _generic_tokenizer_class(path):
+            from transformers import PreTrainedTokenizerFast
+
             return PreTrainedTokenizerFast.from_pretrained(path)
         from transformers import AutoTokenizer
 

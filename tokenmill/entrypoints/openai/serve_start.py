@@ -43,7 +43,9 @@ def make_server_engine(args: argparse.Namespace) -> Any:
 
 
 def _import_api_server() -> ModuleType:
-    with long_lived_import("fastapi"):  # FastAPI and the API's pydantic models: see gc_startup
+    # FastAPI and the API's pydantic models (gc_startup). The freeze also takes whatever the engine's build
+    # has made by then: harmless here, as `tokenmill serve`'s process builds one engine and keeps it to the end.
+    with long_lived_import("fastapi"):
         importlib.import_module("uvicorn")
         return importlib.import_module("tokenmill.entrypoints.openai.api_server")
 
