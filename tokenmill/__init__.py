@@ -12,7 +12,8 @@ def __getattr__(name: str):
     if name == "LLM":
         from tokenmill.gc_startup import long_lived_import
 
-        with long_lived_import("tokenmill.llm"):  # torch and the engine's code: see gc_startup
+        # torch and the engine's code (gc_startup); before the engine's module is imported, no engine exists to be frozen.
+        with long_lived_import("tokenmill.engine.engine"):
             from tokenmill.llm import LLM
 
         return LLM
