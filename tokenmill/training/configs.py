@@ -24,7 +24,6 @@ class MedusaTrainingConfig:
     seed: int = 0
 
 
-
 @dataclass
 class EagleTrainingConfig:
     num_layers: int = 1
