@@ -238,18 +238,9 @@ class AsyncLLMEngine:
             while True:
                 # Idle: wait until something arrives (waking now and then, so that signal handlers
                 # run when this is the main thread). Busy: take whatever has arrived, then step.
-                commands = []
-                if not engine.has_unfinished_requests():
-                    try:
-                        commands.append(self._commands.get(timeout=0.2))
-                    except queue.Empty:
-                        engine.idle()
-                        continue
-                while True:
-                    try:
-                        commands.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
+                commands = engine.next_commands(self._commands)
+                if commands is None:
+                    continue
                 for command in commands:
                     if isinstance(command, _Shutdown):
                         engine.shutdown()  # the model's other ranks, from the thread that runs its steps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import random
 import threading
 import time
@@ -256,6 +257,24 @@ class LLMEngine:
         """Called between steps when there is none to run (the serving loop, while it waits): work that must
         happen between two passes, on the thread that runs them (the weights onto their huge-page copy)."""
         self.executor.idle()
+
+    def next_commands(self, inbox: queue.SimpleQueue, idle_wait: float = 0.2) -> list | None:
+        """A serving loop's commands for its next turn, from its inbox: with requests in flight, whatever has
+        arrived (maybe nothing: it steps on); idle, the first to arrive and any behind it, or None after
+        idle_wait seconds of nothing, once idle() has run (the loop goes round again, so that signal handlers
+        run when it is the main thread). The async engine's loop and a data-parallel replica's both take theirs so."""
+        commands = []
+        if not self.has_unfinished_requests():
+            try:
+                commands.append(inbox.get(timeout=idle_wait))
+            except queue.Empty:
+                self.idle()
+                return None
+        while True:
+            try:
+                commands.append(inbox.get_nowait())
+            except queue.Empty:
+                return commands
 
     def unfinished_request_ids(self) -> list[str]:
         """The user's ids of every request with a sequence in the scheduler."""

@@ -102,18 +102,9 @@ class ReplicaLoop:
         engine = self.engine
         while True:
             # Idle: wait for a command (between waits, LLMEngine.idle). Busy: take whatever has arrived, then step.
-            commands = []
-            if not engine.has_unfinished_requests():
-                try:
-                    commands.append(self._inbox.get(timeout=0.2))
-                except queue.Empty:
-                    engine.idle()
-                    continue
-            while True:
-                try:
-                    commands.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
+            commands = engine.next_commands(self._inbox)
+            if commands is None:
+                continue
             update = ReplicaUpdate()
             for command in commands:
                 if isinstance(command, Shutdown):
