@@ -31,6 +31,9 @@ CASES = {
     "int4 g32": ("llama_gqa", {"quantization": "int4", "quantization_options": {"group_size": 32}}, True),
     "int4 g32 bf16": ("llama_gqa", {"quantization": "int4", "quantization_options": {"group_size": 32}, "dtype": "bfloat16"}, True),
     "w8a8": ("llama_gqa", {"quantization": "w8a8"}, True),
+    # The norms quantize qkv_proj's and gate_up_proj's input (bias: qkv's bias in the quantized-input GEMM).
+    "w8a8 bf16 bias per token": ("llama_bias", {"quantization": "w8a8", "dtype": "bfloat16",
+                                                "quantization_options": {"activation_group_size": 0}}, True),
     "kv int8": ("llama_gqa", {"kv_cache_dtype": "int8"}, True),
     "kv fp8": ("llama_gqa", {"kv_cache_dtype": "fp8"}, True),
     "ngram drafts": ("llama_gqa", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}, True),

@@ -176,6 +176,12 @@ def test_levels_build_apart(monkeypatch):
     assert "-march=native" in cpu._cflags()
 
 
+def test_every_kernel_file_is_in_the_build_hash():
+    """A source or header left out of the hash would let a build of the old code load after it changes."""
+    on_disk = {p.name for p in (ROOT / "tokenmill" / "kernels" / "cpu").iterdir() if p.suffix in (".cpp", ".h")}
+    assert on_disk == {p.name for p in cpu._SOURCES + cpu._HEADERS}
+
+
 # Every op on fixed inputs, saved for the comparison across levels.
 OUTPUTS = r"""
 import sys

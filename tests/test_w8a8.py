@@ -147,6 +147,74 @@ def test_w8a8_kernel_bad_inputs_are_errors():
         cpu.w8a8_linear(torch.zeros(2, 64, dtype=torch.float64), packed, colsum, scale, None, 32)
 
 
+@needs_kernels
+@pytest.mark.parametrize("group", [0, ACTIVATION_GROUP_SIZE, 32])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 200, 17), (33, 130, 129), (2, 7, 5), (4, 9000, 40)])
+@pytest.mark.parametrize("residual", [False, True], ids=["first", "residual"])
+def test_w8a8_kernel_norm_quantize_then_gemm_is_norm_then_linear(m, k, n, dtype, group, residual):
+    """The RMSNorm with the activation quantize in it (w8a8_rms_norm_quant, then w8a8_linear_quantized)
+    gives w8a8_linear(rms_norm(x)) / w8a8_linear(add_rms_norm(residual, x)) bit for bit, and updates the
+    residual stream as add_rms_norm does (K = 9000: the normalized row on the heap, not the stack)."""
+    x, q, scale, bias = _operands(m, k, n, dtype, seed=k + n)
+    gen = torch.Generator().manual_seed(m)
+    stream = torch.randn(m, k, generator=gen).to(dtype) if residual else None
+    weight = (torch.rand(k, generator=gen) + 0.5).to(dtype)
+    packed, colsum = cpu.w8a8_pack(q, group)
+    want_stream = None if stream is None else stream.clone()
+    normed = cpu.rms_norm(x, weight, 1e-5) if stream is None else cpu.add_rms_norm(want_stream, x, weight, 1e-5)
+    want = cpu.w8a8_linear(normed, packed, colsum, scale, bias, group)
+    got_stream = None if stream is None else stream.clone()
+    qx, x_scale = cpu.w8a8_rms_norm_quant(x, got_stream, weight, 1e-5, group)
+    assert qx.dtype == torch.uint8 and x_scale.shape == (m, len(activation_groups(k, group)))
+    assert torch.equal(cpu.w8a8_linear_quantized(qx, x_scale, packed, colsum, scale, bias, group, dtype), want)
+    if stream is not None:
+        assert torch.equal(got_stream, want_stream)
+
+
+@needs_kernels
+def test_w8a8_kernel_quantized_input_bad_inputs_are_errors():
+    q, scale = Q.quantize_int8(torch.randn(8, 64))
+    packed, colsum = cpu.w8a8_pack(q, 32)
+    weight = torch.ones(64)
+    qx, x_scale = cpu.w8a8_rms_norm_quant(torch.randn(2, 64), None, weight, 1e-5, 32)
+    with pytest.raises(RuntimeError, match="the activations have 64 .padded. features, the packed weight 32"):
+        cpu.w8a8_linear_quantized(qx, x_scale, *cpu.w8a8_pack(q[:, :32], 32), scale, None, 32, torch.float32)
+    with pytest.raises(RuntimeError, match="2 activation scales per row, but groups of 16 over 64 features make 4"):
+        cpu.w8a8_linear_quantized(qx, x_scale, packed, colsum, scale, None, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="q and scales must be w8a8_rms_norm_quant's output"):
+        cpu.w8a8_linear_quantized(qx.to(torch.int8), x_scale, packed, colsum, scale, None, 32, torch.float32)
+    with pytest.raises(RuntimeError, match="residual must be a contiguous tensor shaped and typed like x"):
+        cpu.w8a8_rms_norm_quant(torch.randn(2, 64), torch.randn(3, 64), weight, 1e-5, 32)
+    with pytest.raises(RuntimeError, match=r"weight must be \[hidden\] in x's dtype"):
+        cpu.w8a8_rms_norm_quant(torch.randn(2, 64), None, weight.bfloat16(), 1e-5, 32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("options", [{}, {"activation_group_size": 0}], ids=["groups", "per token"])
+def test_w8a8_layers_after_norms_take_quantized_input(tiny_model_factory, options):
+    """qkv_proj and gate_up_proj take their input from the norm's quantize in both decode programs
+    (Python: norm_then_linear; C++: every layer), and o_proj and down_proj, after no norm, quantize it
+    themselves; test_decode_program.py checks the tokens against the layers' forward."""
+    from tokenmill.models.llama import norm_then_linear
+
+    llm = LLM(tiny_model_factory("llama_bias"), dtype="float32", num_kv_blocks=64, quantization="w8a8", quantization_options=options)
+    llm.generate(prompt_token_ids=[[1, 2, 3], [4, 5]], sampling_params=SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    model = llm.llm_engine.executor.driver_runner.model.model
+    assert model.native_decode.program.quantizing_layers() == len(model.layers)
+    layer = model.layers[0]
+    group = options.get("activation_group_size", ACTIVATION_GROUP_SIZE)
+    assert layer.self_attn.qkv_proj.quantized_input(torch.float32).group_size == group
+    assert layer.mlp.gate_up_proj.quantized_input(torch.float32).group_size == group
+    x, stream = torch.randn(3, layer.self_attn.qkv_proj.input_size), torch.randn(3, layer.self_attn.qkv_proj.input_size)
+    fused = norm_then_linear(layer.input_layernorm, layer.self_attn.qkv_proj, torch.float32)
+    plain = layer.self_attn.qkv_proj.forward
+    want_stream = stream.clone()
+    assert torch.equal(fused(x, stream), plain(cpu.add_rms_norm(want_stream, x, layer.input_layernorm.weight, layer.input_layernorm.eps)))
+    assert torch.equal(stream, want_stream)
+    assert torch.equal(fused(x, None), plain(cpu.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)))
+
+
 def test_w8a8_pytorch_path_is_the_kernel_path(monkeypatch):
     """Without the C++ kernels a layer keeps its int8 weight and runs the reference with float32
     sums: on these sizes the same bits as the kernel (and as the float64 reference)."""

@@ -1,4 +1,4 @@
-"""`tokenmill generate | chat | serve | bench | train-medusa | train-eagle`: the command line."""
+"""`tokenmill generate | chat | serve | bench | train-medusa | train-eagle | calibrate-smoothquant`: the command line."""
 
 from __future__ import annotations
 
@@ -231,12 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     # (without importing torch: `tokenmill --help` answers in a fifth of a second).
     from tokenmill.bench.cli import add_bench_parser
     from tokenmill.entrypoints.openai.cli_args import add_serve_parser
-    from tokenmill.training.cli import add_train_eagle_parser, add_train_medusa_parser
+    from tokenmill.training.cli import add_calibrate_smoothquant_parser, add_train_eagle_parser, add_train_medusa_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_train_medusa_parser(sub, _add_engine_args)
     add_train_eagle_parser(sub, _add_engine_args)
+    add_calibrate_smoothquant_parser(sub, _add_engine_args)
     return parser
 
 

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent / "cpu"
 _SOURCES = [_DIR / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "sampling.cpp", "pointwise.cpp", "int8_gemm.cpp", "gguf_linear.cpp", "decode_linear.cpp", "decode_program.cpp")]
-_HEADERS = [_DIR / name for name in ("vec.h", "quant_rows.h")]
+_HEADERS = [_DIR / name for name in ("vec.h", "quant_rows.h", "norm_rows.h")]
 # -ffp-contract=off: no fused multiply-adds the source does not write, so the pointwise ops round as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 _LDFLAGS = ["-lmvec"]
@@ -519,6 +519,21 @@ def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, colsum: torch.Tensor, w_s
     """x [M, K] quantized per row and group, times the packed int8 weight (w8a8_pack with the same
     group_size), rescaled: [M, N] in x's dtype (see int8_gemm.cpp)."""
     return torch.ops.tokenmill_cpu.w8a8_linear(x, packed, colsum, w_scale, bias, group_size)
+
+
+def w8a8_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                        group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x) (add_rms_norm(residual, x) with a residual, updated in place) quantized per row and group
+    as w8a8_linear quantizes its input, in one pass: (q uint8 [M, padded K] in the GEMM's own format,
+    scales float32 [M, groups]) for w8a8_linear_quantized (see int8_gemm.cpp)."""
+    return torch.ops.tokenmill_cpu.w8a8_rms_norm_quant(x, residual, weight, eps, group_size)
+
+
+def w8a8_linear_quantized(q: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor, colsum: torch.Tensor, w_scale: torch.Tensor,
+                          bias: torch.Tensor | None, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """w8a8_linear of activations w8a8_rms_norm_quant already quantized: [M, N] in dtype, the same bits
+    as w8a8_linear of the norm's output."""
+    return torch.ops.tokenmill_cpu.w8a8_linear_quantized(q, scales, packed, colsum, w_scale, bias, group_size, dtype)
 
 
 def w8a8_isa() -> str:

@@ -27,7 +27,7 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.build_context import ModelBuildContext
-from tokenmill.layers.quantization.base import KernelCall
+from tokenmill.layers.quantization.base import KernelCall, QuantizedInput
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -177,6 +177,10 @@ class Linear(nn.Module):
     def decode_kernel(self, dtype: torch.dtype) -> KernelCall | None:
         """decode_call's one kernel op for rows of x in dtype, for the C++ decode program; None: it has none."""
         return self.method.decode_kernel(self, self.bias, dtype)
+
+    def quantized_input(self, dtype: torch.dtype) -> QuantizedInput | None:
+        """How decode_call's rows in dtype may come quantized by the RMSNorm before the layer; None: as they are."""
+        return self.method.quantized_input(self, self.bias, dtype)
 
 
 class ColumnParallelLinear(Linear):

@@ -73,6 +73,7 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, m
     with _default_dtype(dtype), device:
         model = model_class(ctx)
     model.load_weights(weights())
+    quant_config.process_model_after_loading(model)
     for module in model.modules():
         method = getattr(module, "method", None)
         if method is not None:

@@ -60,7 +60,7 @@ class EagleDraftModel(nn.Module):
             # Every draft pass is decode rows (a request's pending rows, then one row each): the layers' decode
             # program (models/llama.py), the same ops without forward's lookups and checks.
             if self.decode_steps is None:
-                self.decode_steps = [layer.plain_decode_step() for layer in self.layers]
+                self.decode_steps = [layer.plain_decode_step(hidden.dtype) for layer in self.layers]
             for step in self.decode_steps:
                 hidden, residual = step(hidden, residual, cos, sin, batch, group)
         else:

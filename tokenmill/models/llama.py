@@ -14,8 +14,9 @@ from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention, CpuPagedAttention
 from tokenmill.layers.build_context import ModelBuildContext, join_prefix
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
-from tokenmill.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
+from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.quantization.smoothquant import SmoothingPair
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.weights import load_named_weights
 from tokenmill.layers.attention_metadata import AttentionGroup, BatchInputs
@@ -134,37 +135,33 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm.forward(self.self_attn.forward(hidden, cos, sin, batch), residual)
         return self.mlp.forward(hidden), residual
 
-    def plain_decode_step(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        """forward for a batch of plain decodes on the CPU kernels (LlamaModel's decode program), with every
-        weight, size and kernel looked up once: step(hidden, residual, cos, sin, batch, group). The same
-        calls in the same order as forward, so the same numbers."""
+    def plain_decode_step(self, dtype: torch.dtype) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """forward for a batch of plain decodes in dtype on the CPU kernels (LlamaModel's decode program), with
+        every weight, size and kernel looked up once: step(hidden, residual, cos, sin, batch, group). The same
+        calls in the same order as forward, so the same numbers; where qkv_proj or gate_up_proj takes its
+        input quantized (w8a8), the norm before it quantizes in the same op (the same bits)."""
         attn, mlp = self.self_attn, self.mlp
-        norm_1, norm_2 = self.input_layernorm, self.post_attention_layernorm
-        # No input norm (an EAGLE head's first layer, models/eagle.py): the layer reads the residual stream as it is.
-        weight_1, eps_1 = getattr(norm_1, "weight", None), getattr(norm_1, "eps", 0.0)
-        weight_2, eps_2 = norm_2.weight, norm_2.eps
-        qkv, o_proj = attn.qkv_proj.decode_call(), attn.o_proj.decode_call()
-        gate_up, down = mlp.gate_up_proj.decode_call(), mlp.down_proj.decode_call()
+        qkv = norm_then_linear(self.input_layernorm, attn.qkv_proj, dtype)
+        gate_up = norm_then_linear(self.post_attention_layernorm, mlp.gate_up_proj, dtype)
+        o_proj, down = attn.o_proj.decode_call(), mlp.down_proj.decode_call()
         sizes, num_heads, num_kv_heads, head_dim = attn.qkv_proj.output_sizes, attn.num_heads, attn.num_kv_heads, attn.head_dim
         q_norm, k_norm, attention = attn.q_norm, attn.k_norm, attn.attn
-        ops = torch.ops.tokenmill_cpu  # the ops' overloads, resolved once (kernels/cpu.py's wrappers resolve them per call)
-        rms_norm, add_rms_norm, silu_and_mul = ops.rms_norm.default, ops.add_rms_norm.default, ops.silu_and_mul.default
+        silu_and_mul = torch.ops.tokenmill_cpu.silu_and_mul.default  # resolved once (kernels/cpu.py's wrappers resolve it per call)
 
         def step(hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: BatchInputs,
                  group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
             if residual is None:
-                residual, x = hidden, hidden if weight_1 is None else rms_norm(hidden, weight_1, eps_1)
+                residual, qkv_out = hidden, qkv(hidden, None)
             else:
-                x = add_rms_norm(residual, hidden, weight_1, eps_1)
+                qkv_out = qkv(hidden, residual)
             if q_norm is None:  # rotary, the KV write and the attention in one op
-                out = attention.plain_decode_qkv(qkv(x), cos, sin, batch, group)
+                out = attention.plain_decode_qkv(qkv_out, cos, sin, batch, group)
             else:
-                q, k, v = qkv(x).split(sizes, dim=-1)
+                q, k, v = qkv_out.split(sizes, dim=-1)
                 tokens = q.shape[0]
                 q, k = apply_rotary(q_norm(q.view(tokens, num_heads, head_dim)), k_norm(k.view(tokens, num_kv_heads, head_dim)), cos, sin)
                 out = attention.plain_decode(q, k, v.view(tokens, num_kv_heads, head_dim), batch, group)
-            x = add_rms_norm(residual, o_proj(out), weight_2, eps_2)
-            return down(silu_and_mul(gate_up(x))), residual
+            return down(silu_and_mul(gate_up(o_proj(out), residual))), residual
 
         return step
 
@@ -173,24 +170,46 @@ class LlamaDecoderLayer(nn.Module):
         activations in dtype: returns the rows up to which its kernels are that step's, or None (nothing
         registered) where a linear layer has no single kernel op or the attention normalizes q and k."""
         attn, mlp = self.self_attn, self.mlp
-        if attn.q_norm is not None:
+        if attn.q_norm is not None or not isinstance(self.input_layernorm, RMSNorm):
             return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        calls = [linear.decode_kernel(dtype) for linear in linears]
+        # qkv_proj and gate_up_proj take their input quantized by the norm before them where both can (w8a8).
+        fused = [attn.qkv_proj.quantized_input(dtype), mlp.gate_up_proj.quantized_input(dtype)]
+        if any(f is None for f in fused) or fused[0].group_size != fused[1].group_size:
+            fused = [None, None]
+        calls = [attn.qkv_proj.decode_kernel(dtype) if fused[0] is None else fused[0].kernel, attn.o_proj.decode_kernel(dtype),
+                 mlp.gate_up_proj.decode_kernel(dtype) if fused[1] is None else fused[1].kernel, mlp.down_proj.decode_kernel(dtype)]
         if any(call is None for call in calls):
             return None
         indices = []
         for call in calls:
             tensors = [a for a in call.args if isinstance(a, torch.Tensor)]
             ints = [a for a in call.args if isinstance(a, int)]
-            pattern = "".join("T" if isinstance(a, torch.Tensor) else "I" if isinstance(a, int) else "N" for a in call.args)
-            indices.append(program.add_linear(call.op, tensors, ints, pattern))
+            pattern = "".join("T" if isinstance(a, torch.Tensor) else "I" if isinstance(a, int) else "D" if isinstance(a, torch.dtype) else "N"
+                              for a in call.args)  # D: the output dtype, always the program's
+            indices.append(program.add_linear(call.op, tensors, ints, pattern, dtype))
         attention, scales = attn.attn, attn.attn.kv_scales
         program.add_layer(self.input_layernorm.weight, self.input_layernorm.eps, self.post_attention_layernorm.weight,
                           self.post_attention_layernorm.eps, *indices, attention.num_heads, attention.num_kv_heads, attention.k_cache,
                           attention.v_cache, None if scales is None else scales.k, None if scales is None else scales.v,
-                          attention.sliding_window or 0, attention.scale)
+                          attention.sliding_window or 0, attention.scale, -1 if fused[0] is None else fused[0].group_size)
         return min((call.max_rows for call in calls if call.max_rows is not None), default=1 << 30)
+
+
+def norm_then_linear(norm: nn.Module, linear: Linear, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """(x, residual) -> linear(norm(residual + x)) with the residual stream updated in place, or (x, None) ->
+    linear(norm(x)), for a decode program in dtype: one op for the norm and the linear layer's activation
+    quantize where the layer takes its input quantized (Linear.quantized_input), the same bits as apart.
+    A norm that is nn.Identity (an EAGLE head's first layer, models/eagle.py; never with a residual) passes x on."""
+    call = linear.decode_call()
+    if not isinstance(norm, RMSNorm):
+        return lambda x, residual: call(x)
+    weight, eps, ops = norm.weight, norm.eps, torch.ops.tokenmill_cpu  # the ops' overloads, resolved once
+    quantized = linear.quantized_input(dtype)
+    if quantized is not None:
+        norm_quant, group_size, gemm = ops.w8a8_rms_norm_quant.default, quantized.group_size, quantized.apply
+        return lambda x, residual: gemm(*norm_quant(x, residual, weight, eps, group_size))
+    rms_norm, add_rms_norm = ops.rms_norm.default, ops.add_rms_norm.default
+    return lambda x, residual: call(rms_norm(x, weight, eps) if residual is None else add_rms_norm(residual, x, weight, eps))
 
 
 class LlamaModel(nn.Module):
@@ -223,7 +242,7 @@ class LlamaModel(nn.Module):
             # layers), one request, Zen 5, bf16: 8.19 -> 6.83 ms a token against forward's module calls,
             # attribute lookups and checks (benchmarks/decode_program.py).
             if self.decode_program is None:
-                self.decode_program = [layer.plain_decode_step() for layer in self.layers]
+                self.decode_program = [layer.plain_decode_step(hidden.dtype) for layer in self.layers]
                 self.native_decode = self._native_decode_program(hidden.dtype)
             native = self.native_decode
             if native is not None and native.k_cache is not self.layers[0].self_attn.attn.k_cache:
@@ -276,6 +295,22 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits; with tensor parallelism on rank 0 only (None on the others)."""
         return self.lm_head(hidden)
+
+    def smoothing_pairs(self) -> list[SmoothingPair]:
+        """Where SmoothQuant's factors fold (layers/quantization/smoothquant.py): qkv_proj's and gate_up_proj's
+        input into the norm before each, down_proj's into up_proj's output channels (the second half of
+        gate_up_proj's rows, and of its bias)."""
+        pairs = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            gate, up = mlp.gate_up_proj.output_sizes
+            up_sources = [mlp.gate_up_proj.weight.data[gate:gate + up]]
+            if mlp.gate_up_proj.bias is not None:
+                up_sources.append(mlp.gate_up_proj.bias.data[gate:gate + up])
+            pairs += [SmoothingPair((layer.input_layernorm.weight.data,), attn.qkv_proj),
+                      SmoothingPair((layer.post_attention_layernorm.weight.data,), mlp.gate_up_proj),
+                      SmoothingPair(tuple(up_sources), mlp.down_proj)]
+        return pairs
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         ignore = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())

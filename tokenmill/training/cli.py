@@ -1,5 +1,5 @@
 """`tokenmill train-medusa` / `train-eagle`: Medusa heads or an EAGLE draft head for a model, trained on its own
-answers to chat prompts."""
+answers to chat prompts; `tokenmill calibrate-smoothquant`: SmoothQuant's act scales, measured on the same kind of text."""
 
 from __future__ import annotations
 
@@ -102,6 +102,36 @@ def cmd_train_eagle(args: argparse.Namespace) -> None:
           f"training {report.train_s:.0f} s); held-out top-1 accuracy of the "
           f"first draft: {accuracy}; written to {args.output}")
     print(f"use it with --speculative-config '{{\"method\": \"eagle\", \"model\": \"{args.output}\", \"num_speculative_tokens\": 3}}'")
+
+
+def add_calibrate_smoothquant_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    parser = sub.add_parser("calibrate-smoothquant",
+                            help="measure each linear layer's input absmax per channel (SmoothQuant's act scales) for w8a8")
+    parser.add_argument("--output", "-o", required=True, help="the act-scales file to write (.safetensors)")
+    parser.add_argument("--prompts-file", default=None, help="prompts, one per line (default: the package's chat prompts)")
+    parser.add_argument("--num-prompts", type=int, default=CHAT_TRAIN_PROMPTS, help="prompts to answer")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (greedy)")
+    add_engine_args(parser)
+    parser.set_defaults(func=cmd_calibrate_smoothquant)
+
+
+def cmd_calibrate_smoothquant(args: argparse.Namespace) -> None:
+    from safetensors.torch import save_file
+
+    from tokenmill.training.calibrate import calibrate_act_scales
+    from tokenmill.training.selfdistill import chat_prompts
+
+    _check_at_least(("--num-prompts", args.num_prompts, 1), ("--max-tokens", args.max_tokens, 1))
+    if not args.output.endswith(".safetensors"):
+        raise ValueError(f"--output: the act scales are written as safetensors; give a path ending in .safetensors, got {args.output!r}")
+    llm = _generating_llm(args, "calibrate-smoothquant")
+    prompts = chat_prompts(llm.get_tokenizer(), args.prompts_file, args.num_prompts)
+    scales, report = calibrate_act_scales(llm, prompts, args.max_tokens)
+    save_file({name: t.contiguous() for name, t in sorted(scales.items())}, args.output,
+              metadata={"format": "tokenmill act scales", "base_model": str(llm.llm_engine.model_name)})
+    print(f"measured {len(scales)} linear layers' input absmax on {report.num_positions} positions ({report.num_prompts} prompts and "
+          f"the model's answers, {report.seconds:.0f} s); written to {args.output}")
+    print(f"use them with --quantization w8a8 --quantization-options '{{\"smoothquant\": \"{args.output}\"}}'")
 
 
 def _check_at_least(*flags: tuple[str, int, int]) -> None:

@@ -64,6 +64,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "norm_rows.h"
 #include "vec.h"
 
 namespace {
@@ -422,16 +423,12 @@ std::tuple<at::Tensor, at::Tensor> w8a8_quantize(const at::Tensor& x, int64_t gr
   return {q, scale};
 }
 
-at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum, const at::Tensor& w_scale,
-                       const std::optional<at::Tensor>& bias, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2, "w8a8_linear: x must be [rows, in_features]");
-  TORCH_CHECK(w_scale.dim() == 1 && w_scale.scalar_type() == at::kFloat, "w8a8_linear: w_scale must be float32 [N]");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = w_scale.size(0), Kp = round_up(K, 4);
-  const int64_t G = group_of(group_size, K, "w8a8_linear"), groups = (K + G - 1) / G;
-  check_packed(packed, colsum, N, K, G, "w8a8_linear");
-  const int64_t panels = packed.size(0), Np = panels * kPanel;
-
+// The GEMM of activations already quantized (quantize_rows' format: xq [M, Kp] with this build's
+// offset, xs [M, groups]) into y [M, N] of dtype T.
+void gemm_quantized(const uint8_t* xq, const float* xs, int64_t M, int64_t Kp, int64_t G, int64_t groups, const at::Tensor& packed,
+                    const at::Tensor& colsum, const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, at::Tensor& y,
+                    const char* op) {
+  const int64_t N = w_scale.size(0), panels = packed.size(0), Np = panels * kPanel;
   // Per-channel vectors padded to whole panels, so the vector epilogue never reads past them.
   std::vector<float> ws(Np, 0.f), bs;
   std::vector<int32_t> start(groups * Np, 0);
@@ -441,20 +438,15 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   for (int64_t a = 0; a < groups; ++a)
     for (int64_t n = 0; n < N; ++n) start[a * Np + n] = -kOffset * cs[a * N + n];
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "w8a8_linear: bias must be [out_features]");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must be [out_features]");
     const at::Tensor b = bias->to(at::kFloat).contiguous();
     bs.assign(Np, 0.f);
     std::copy(b.data_ptr<float>(), b.data_ptr<float>() + N, bs.begin());
   }
-
-  at::Tensor y = at::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return y;
-  std::unique_ptr<uint8_t[]> xq(new uint8_t[M * Kp]);  // every byte is written by quantize_rows
-  std::vector<float> xs(M * groups);
-  dispatch_float_types(xc.scalar_type(), "w8a8_linear", [&](auto* tag) {
+  if (M == 0 || N == 0) return;
+  dispatch_float_types(y.scalar_type(), op, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    quantize_rows<T>(xc.data_ptr<T>(), M, K, Kp, G, xq.get(), xs.data(), kOffset);
-    const Epilogue e{start.data(), ws.data(), bs.empty() ? nullptr : bs.data(), xs.data(), N, Np, G, groups};
+    const Epilogue e{start.data(), ws.data(), bs.empty() ? nullptr : bs.data(), xs, N, Np, G, groups};
     const int64_t row_tiles = (M + kMR - 1) / kMR;
     const int64_t blocks = row_blocks(panels, row_tiles, at::get_num_threads());
     const int64_t rows_per_block = (row_tiles + blocks - 1) / blocks * kMR;
@@ -471,11 +463,106 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
           const int i = static_cast<int>((m - m0) / kMR);
           next.first_line = std::min(kLinesPerStep, i * lines_per_tile);
           next.lines = std::min(kLinesPerStep - next.first_line, lines_per_tile);
-          tile_rows<kMR>(static_cast<int>(std::min<int64_t>(kMR, m1 - m)), xq.get(), Kp, pw + p * Kp * kPanel, m, p * kPanel, e, yp, next);
+          tile_rows<kMR>(static_cast<int>(std::min<int64_t>(kMR, m1 - m)), xq, Kp, pw + p * Kp * kPanel, m, p * kPanel, e, yp, next);
         }
       }
     });
   });
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum, const at::Tensor& w_scale,
+                       const std::optional<at::Tensor>& bias, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2, "w8a8_linear: x must be [rows, in_features]");
+  TORCH_CHECK(w_scale.dim() == 1 && w_scale.scalar_type() == at::kFloat, "w8a8_linear: w_scale must be float32 [N]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = w_scale.size(0), Kp = round_up(K, 4);
+  const int64_t G = group_of(group_size, K, "w8a8_linear"), groups = (K + G - 1) / G;
+  check_packed(packed, colsum, N, K, G, "w8a8_linear");
+  at::Tensor y = at::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return y;
+  std::unique_ptr<uint8_t[]> xq(new uint8_t[M * Kp]);  // every byte is written by quantize_rows
+  std::vector<float> xs(M * groups);
+  dispatch_float_types(xc.scalar_type(), "w8a8_linear", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    quantize_rows<T>(xc.data_ptr<T>(), M, K, Kp, G, xq.get(), xs.data(), kOffset);
+  });
+  gemm_quantized(xq.get(), xs.data(), M, Kp, G, groups, packed, colsum, w_scale, bias, y, "w8a8_linear");
+  return y;
+}
+
+// ---- the RMSNorm before a w8a8 layer, with its output quantized (PPL.LLM's fusion) ----------------
+//
+// w8a8_rms_norm_quant(x, residual, weight, eps, G) is w8a8_linear's quantize of rms_norm(x) (of
+// add_rms_norm(residual, x) with a residual, which it updates in place the same way) in one pass per
+// row: each row is normalized into a buffer in L1 (norm_rows.h, the plain norm's code: its rounding to
+// the model dtype included) and quantized from there, so the norm's output never goes to memory and
+// is not read back by the GEMM's quantize. It returns the activations in the GEMM's own format (xq
+// [M, Kp] bytes with this build's offset, uint8; xs [M, groups]) for w8a8_linear_quantized, which
+// gives exactly w8a8_linear(rms_norm(...)): the same normalized values, quantized by the same code.
+
+std::tuple<at::Tensor, at::Tensor> w8a8_rms_norm_quant(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                       const at::Tensor& weight, double eps, int64_t group_size) {
+  const char* op = "w8a8_rms_norm_quant";
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [rows, hidden] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              op, ": weight must be [hidden] in x's dtype");
+  const bool add = residual.has_value() && residual->defined();
+  if (add)
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && residual->scalar_type() == x.scalar_type(), op,
+                ": residual must be a contiguous tensor shaped and typed like x");
+  const int64_t M = x.size(0), K = x.size(1), Kp = round_up(K, 4), G = group_of(group_size, K, op), groups = (K + G - 1) / G;
+  at::Tensor q = at::empty({M, Kp}, x.options().dtype(at::kByte));
+  at::Tensor scales = at::empty({M, groups}, x.options().dtype(at::kFloat));
+  dispatch_float_types(x.scalar_type(), op, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xp = x.data_ptr<T>();
+    T* res = add ? residual->data_ptr<T>() : nullptr;
+    const T* w = weight.data_ptr<T>();
+    uint8_t* qp = q.data_ptr<uint8_t>();
+    float* sp = scales.data_ptr<float>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, M, tokenmill_cpu::norm_grain(K), [&](int64_t begin, int64_t end) {
+      // The normalized row, on the stack for the usual widths (a heap buffer measured ~0.3 us a call at one row).
+      constexpr int64_t kStackRow = 8192;
+      T stack_row[kStackRow];
+      std::vector<T> heap_row(K > kStackRow ? K : 0);
+      T* normed = K > kStackRow ? heap_row.data() : stack_row;
+      for (int64_t m = begin; m < end; ++m) {
+        const T* row = xp + m * stride;
+        if (add) {
+          tokenmill_cpu::add_row(res + m * K, row, K);
+          row = res + m * K;
+        }
+        tokenmill_cpu::rms_norm_row(row, w, normed, K, static_cast<float>(eps));
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
+          sp[m * groups + g] = quantize_group(normed + k0, k1 - k0, (g + 1 == groups ? Kp : k1) - k0, qp + m * Kp + k0, kOffset);
+        }
+      }
+    });
+  });
+  return {q, scales};
+}
+
+at::Tensor w8a8_linear_quantized(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& packed, const at::Tensor& colsum,
+                                 const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, int64_t group_size,
+                                 at::ScalarType dtype) {
+  const char* op = "w8a8_linear_quantized";
+  TORCH_CHECK(w_scale.dim() == 1 && w_scale.scalar_type() == at::kFloat, op, ": w_scale must be float32 [N]");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && scales.dim() == 2 && scales.size(0) == q.size(0) &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              op, ": q and scales must be w8a8_rms_norm_quant's output");
+  const int64_t M = q.size(0), Kp = q.size(1), N = w_scale.size(0), groups = scales.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.size(1) == Kp * kPanel, op, ": the activations have ", Kp,
+              " (padded) features, the packed weight ", packed.size(1) / kPanel);
+  // K itself is not in the activations: Kp gives the same groups (a multiple of G is one of 4, so no group
+  // boundary falls between K and Kp) and the same checks of the packed weight.
+  const int64_t G = group_of(group_size, Kp, op);
+  TORCH_CHECK(groups == (Kp + G - 1) / G, op, ": ", groups, " activation scales per row, but groups of ", G, " over ", Kp,
+              " features make ", (Kp + G - 1) / G);
+  check_packed(packed, colsum, N, Kp, G, op);
+  at::Tensor y = at::empty({M, N}, q.options().dtype(dtype));
+  gemm_quantized(q.data_ptr<uint8_t>(), scales.data_ptr<float>(), M, Kp, G, groups, packed, colsum, w_scale, bias, y, op);
   return y;
 }
 
@@ -487,8 +574,13 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("w8a8_pack(Tensor w, int group_size) -> (Tensor, Tensor)");
   m.def("w8a8_quantize(Tensor x, int group_size) -> (Tensor, Tensor)");
   m.def("w8a8_linear(Tensor x, Tensor packed, Tensor colsum, Tensor w_scale, Tensor? bias, int group_size) -> Tensor");
+  m.def("w8a8_rms_norm_quant(Tensor x, Tensor(a!)? residual, Tensor weight, float eps, int group_size) -> (Tensor, Tensor)");
+  m.def("w8a8_linear_quantized(Tensor q, Tensor scales, Tensor packed, Tensor colsum, Tensor w_scale, Tensor? bias, int group_size, "
+        "ScalarType dtype) -> Tensor");
   m.def("w8a8_isa() -> str", &w8a8_isa);
   m.impl("w8a8_pack", c10::DispatchKey::CPU, &w8a8_pack);
   m.impl("w8a8_quantize", c10::DispatchKey::CPU, &w8a8_quantize);
   m.impl("w8a8_linear", c10::DispatchKey::CPU, &w8a8_linear);
+  m.impl("w8a8_rms_norm_quant", c10::DispatchKey::CPU, &w8a8_rms_norm_quant);
+  m.impl("w8a8_linear_quantized", c10::DispatchKey::CPU, &w8a8_linear_quantized);
 }

@@ -14,6 +14,7 @@
 
 #include <cmath>
 
+#include "norm_rows.h"
 #include "vec.h"
 
 namespace {
@@ -31,38 +32,13 @@ inline T round_to(float x) {
 }
 
 // Grain: rows per task, so that a handful of decode rows stays on one thread.
-inline int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
+inline int64_t grain(int64_t row_len) { return tokenmill_cpu::norm_grain(row_len); }
 
-// out[r] = weight * to_dtype(x[r] * rsqrt(mean(x[r]^2) + eps)), as transformers' LlamaRMSNorm.
+// out[r] = weight * to_dtype(x[r] * rsqrt(mean(x[r]^2) + eps)) (norm_rows.h).
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * x_stride;
-      T* o = out + r * n;
-      float ss = 0.f;
-      int64_t i = 0;
-#if TOKENMILL_SIMD
-      Vec acc = Vec::zero();
-      for (; i + W <= n; i += W) {
-        const Vec v = Vec::load(xr + i);
-        acc = acc + v * v;
-      }
-      ss = reduce_add(acc);
-#endif
-      for (; i < n; ++i) {
-        const float v = static_cast<float>(xr[i]);
-        ss += v * v;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-      i = 0;
-#if TOKENMILL_SIMD
-      const Vec vinv = Vec::set1(inv);
-      for (; i + W <= n; i += W) store(o + i, Vec::load(weight + i) * round_trip(Vec::load(xr + i) * vinv, xr));
-#endif
-      for (; i < n; ++i)
-        o[i] = round_to<T>(static_cast<float>(weight[i]) * static_cast<float>(round_to<T>(static_cast<float>(xr[i]) * inv)));
-    }
+    for (int64_t r = begin; r < end; ++r) tokenmill_cpu::rms_norm_row(x + r * x_stride, weight, out + r * n, n, eps);
   });
 }
 
@@ -94,14 +70,7 @@ at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tens
     T* res = residual.data_ptr<T>();
     const T* xs = x.data_ptr<T>();
     at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        int64_t i = 0;
-#if TOKENMILL_SIMD
-        for (; i + W <= n; i += W) store(res + r * n + i, Vec::load(res + r * n + i) + Vec::load(xs + r * stride + i));
-#endif
-        for (; i < n; ++i)
-          res[r * n + i] = round_to<T>(static_cast<float>(res[r * n + i]) + static_cast<float>(xs[r * stride + i]));
-      }
+      for (int64_t r = begin; r < end; ++r) tokenmill_cpu::add_row(res + r * n, xs + r * stride, n);
     });
     rms_norm_rows<T>(res, n, weight.data_ptr<T>(), out.data_ptr<T>(), rows, n, eps);
   });

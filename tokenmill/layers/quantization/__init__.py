@@ -32,7 +32,7 @@ from tokenmill.layers.quantization.w8a8 import W8A8Config
 from tokenmill.layers.quantization.weight_only import WeightOnlyConfig
 
 # The `quantization=` names tokenmill runs, and the options each takes (`quantization_options=`).
-SUPPORTED = {"int8": (), "int4": ("group_size", "symmetric"), "w8a8": ("activation_group_size", "quantize_lm_head"), "gguf": ("activations",), "gptq": (), "awq": (), "compressed-tensors": ()}
+SUPPORTED = {"int8": (), "int4": ("group_size", "symmetric"), "w8a8": ("activation_group_size", "quantize_lm_head", "smoothquant", "smoothquant_alpha"), "gguf": ("activations",), "gptq": (), "awq": (), "compressed-tensors": ()}
 # The methods that load a checkpoint quantized already (by its config.json's quant_method); the
 # others quantize a float checkpoint at load.
 PREQUANTIZED = ("gptq", "awq", "compressed-tensors")

@@ -17,8 +17,20 @@ class KernelCall:
     torch.ops.<op>(x, *args), the bias among args, for up to max_rows rows of x (None: any number)."""
 
     op: str  # the op's qualified name, "tokenmill_cpu::int4_linear"
-    args: tuple  # tensors, ints and Nones, in the op's order after x
+    args: tuple  # tensors, ints, Nones and the activations' dtype, in the op's order after x
     max_rows: int | None
+
+
+@dataclass(frozen=True)
+class QuantizedInput:
+    """A linear layer that takes its input already quantized by the RMSNorm before it (the norm and the
+    activation quantize in one op, kernels/cpu/int8_gemm.cpp's w8a8_rms_norm_quant: PPL.LLM's fusion).
+    The norm quantizes per row and group of group_size input features; apply(q, scales) and the C++
+    decode program's kernel (op(q, scales, *args)) take its output."""
+
+    group_size: int
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    kernel: KernelCall
 
 
 class LinearMethodBase:
@@ -44,6 +56,11 @@ class LinearMethodBase:
     def decode_kernel(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
         """The one op bound_apply calls for rows of x in dtype, for the C++ decode program; None where it calls
         something else (Python, several ops), which keeps the layer's model on the Python decode program."""
+        return None
+
+    def quantized_input(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> QuantizedInput | None:
+        """How the layer takes rows in dtype quantized by the norm before it, for a decode program; None
+        (the default) where it takes them as they are."""
         return None
 
 
@@ -75,6 +92,10 @@ class QuantizationConfig:
 
     def embedding_method(self, prefix: str) -> EmbeddingMethodBase:
         raise NotImplementedError
+
+    def process_model_after_loading(self, model: nn.Module) -> None:
+        """Whole-model work on the loaded float weights before each layer's process_weights_after_loading
+        (w8a8's SmoothQuant folding); nothing by default."""
 
 
 # -- for methods that load the checkpoint's float weight and quantize it after loading ---------------

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.layers.quantization.base import EmbeddingMethodBase, LinearMethodBase, WeightLoader
+from tokenmill.layers.quantization.base import EmbeddingMethodBase, KernelCall, LinearMethodBase, QuantizedInput, WeightLoader
 from tokenmill.layers.quantization.prequantized import (
     PackedInt4Method,
     PackedInt8Method,
@@ -192,6 +192,12 @@ class CTInt8Method(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.compute.apply(layer, x, bias)
+
+    def decode_kernel(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> KernelCall | None:
+        return self.compute.decode_kernel(layer, bias, dtype)
+
+    def quantized_input(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> QuantizedInput | None:
+        return self.compute.quantized_input(layer, bias, dtype)
 
 
 class CTPackedInt4Method(PackedInt4Method):

@@ -25,9 +25,15 @@ unquantized head is already a prepacked oneDNN GEMM on CPUs (float32, or bf16 wi
 `quantize_lm_head: true` runs it through the w8a8 GEMM too, for speed where the head is a large
 part of a step (a fifth of a 113M Llama's multiplies at 32 rows). The input embedding only gathers rows.
 
-Not done: the activation quantize fused into the RMSNorm before the layer (the quantize is one
-pass over x inside the GEMM op, small next to the multiply), and SmoothQuant scales from a
-checkpoint.
+The activation quantize of qkv_proj and gate_up_proj is fused into the RMSNorm before them in decode
+steps (PPL.LLM's design; QuantizedInput, used by models/llama.py's decode programs): one op normalizes
+each row and quantizes it while it is in L1 (w8a8_rms_norm_quant), and the GEMM takes its int8 rows
+(w8a8_linear_quantized), the same bits as the norm followed by w8a8_linear. Prompt chunks keep the two
+ops (the quantize is one pass inside the GEMM op, small next to a prompt's multiply).
+
+`smoothquant`: an act-scales file whose SmoothQuant factors are folded into the norms and weights at load,
+before the weights are quantized (smoothquant.py); what it buys is accuracy, above all with one activation
+scale per token.
 """
 
 from __future__ import annotations
@@ -38,17 +44,20 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import cpu as cpu_kernels
+from tokenmill.errors import ModelLoadError
 from tokenmill.layers.quantization import quant_utils
 from tokenmill.layers.quantization.base import (
     EmbeddingMethodBase,
     KernelCall,
     LinearMethodBase,
     QuantizationConfig,
+    QuantizedInput,
     WeightLoader,
     as_rows,
     float_weight_to_quantize,
     free_parameter,
 )
+from tokenmill.layers.quantization.smoothquant import DEFAULT_ALPHA, load_act_scales, smooth_layers
 from tokenmill.layers.quantization.unquantized import UnquantizedEmbeddingMethod, is_lm_head
 
 
@@ -121,6 +130,19 @@ class W8A8LinearMethod(LinearMethodBase):
         return KernelCall("tokenmill_cpu::w8a8_linear", (layer.packed_weight, layer.weight_colsum, layer.weight_scale, bias, self.group_size),
                           None)
 
+    def quantized_input(self, layer: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> QuantizedInput | None:
+        return w8a8_quantized_input(layer, bias, self.group_size, dtype)
+
+
+def w8a8_quantized_input(layer: nn.Module, bias: torch.Tensor | None, group_size: int, dtype: torch.dtype) -> QuantizedInput | None:
+    """The layer's GEMM on rows quantized by the norm before it (w8a8_rms_norm_quant), where it runs on the kernels."""
+    if not hasattr(layer, "packed_weight"):
+        return None
+    args = (layer.packed_weight, layer.weight_colsum, layer.weight_scale, bias, group_size, dtype)
+    gemm = torch.ops.tokenmill_cpu.w8a8_linear_quantized.default
+    return QuantizedInput(group_size, lambda q, scales: gemm(q, scales, *args),
+                          KernelCall("tokenmill_cpu::w8a8_linear_quantized", args, None))
+
 
 def w8a8_apply(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
     """y = x W^T + b through what store_w8a8 kept: the kernel, or its PyTorch reference."""
@@ -154,6 +176,8 @@ class W8A8Config(QuantizationConfig):
     prepack_lm_head: bool = False  # the head's float weight prepacked for oneDNN (float32, or bf16 with native bf16)
     activation_group_size: int = ACTIVATION_GROUP_SIZE  # input features per activation scale; 0: one per token
     quantize_lm_head: bool = False  # the LM head as w8a8 too (its float weight stays for the input embedding)
+    smoothquant: str | None = None  # an act-scales file: SmoothQuant's factors folded in at load (smoothquant.py)
+    smoothquant_alpha: float = DEFAULT_ALPHA  # how much of the activations' range moves into the weights
 
     def __post_init__(self) -> None:
         self.name = "w8a8"
@@ -162,9 +186,22 @@ class W8A8Config(QuantizationConfig):
             raise ValueError(f"w8a8: activation_group_size must be 0 (one scale per token) or a positive multiple of 4, got {size!r}")
         if not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"w8a8: quantize_lm_head must be true or false, got {self.quantize_lm_head!r}")
+        if self.smoothquant is not None and not isinstance(self.smoothquant, str):
+            raise ValueError(f"w8a8: smoothquant must be the path of an act-scales file, got {self.smoothquant!r}")
+        alpha = self.smoothquant_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"w8a8: smoothquant_alpha must be a number in [0, 1], got {alpha!r}")
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
         return W8A8LinearMethod(self.activation_group_size)
+
+    def process_model_after_loading(self, model: nn.Module) -> None:
+        if self.smoothquant is None:
+            return
+        pairs = getattr(model, "smoothing_pairs", None)
+        if pairs is None:
+            raise ModelLoadError(f"w8a8: smoothquant folds into the Llama family's norms; {type(model).__name__} has no smoothing pairs")
+        smooth_layers(pairs(), load_act_scales(self.smoothquant), float(self.smoothquant_alpha))
 
     def embedding_method(self, prefix: str) -> EmbeddingMethodBase:
         if self.quantize_lm_head and is_lm_head(prefix):
