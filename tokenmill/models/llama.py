@@ -200,14 +200,15 @@ def norm_then_linear(norm: nn.Module, linear: Linear, dtype: torch.dtype) -> Cal
     linear(norm(x)), for a decode program in dtype: one op for the norm and the linear layer's activation
     quantize where the layer takes its input quantized (Linear.quantized_input), the same bits as apart.
     A norm that is nn.Identity (an EAGLE head's first layer, models/eagle.py; never with a residual) passes x on."""
-    call = linear.decode_call()
     if not isinstance(norm, RMSNorm):
+        call = linear.decode_call()
         return lambda x, residual: call(x)
     weight, eps, ops = norm.weight, norm.eps, torch.ops.tokenmill_cpu  # the ops' overloads, resolved once
     quantized = linear.quantized_input(dtype)
     if quantized is not None:
         norm_quant, group_size, gemm = ops.w8a8_rms_norm_quant.default, quantized.group_size, quantized.apply
         return lambda x, residual: gemm(*norm_quant(x, residual, weight, eps, group_size))
+    call = linear.decode_call()
     rms_norm, add_rms_norm = ops.rms_norm.default, ops.add_rms_norm.default
     return lambda x, residual: call(rms_norm(x, weight, eps) if residual is None else add_rms_norm(residual, x, weight, eps))
 

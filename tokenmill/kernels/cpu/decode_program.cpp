@@ -42,7 +42,8 @@ c10::OperatorHandle find_op(const std::string& name) {
 
 struct LinearCall {
   c10::OperatorHandle op;
-  std::vector<c10::IValue> args;  // everything after the input (x, or q and scales)
+  std::vector<c10::IValue> args;  // everything after the input
+  size_t inputs = 1;               // x, or (a layer fed by its norm's quantize) q and scales
 
   Tensor operator()(const Tensor& x) const { return call({x}); }
   Tensor operator()(const std::tuple<Tensor, Tensor>& quantized) const { return call({std::get<0>(quantized), std::get<1>(quantized)}); }
@@ -106,9 +107,9 @@ struct DecodeProgram : torch::CustomClassHolder {
       }
     }
     TORCH_CHECK(t == tensors.size() && i == ints.size(), "DecodeProgram.add_linear: arguments left over after the pattern");
-    // The inputs before the pattern's arguments: x, or q and scales (a layer fed by its norm's quantize).
-    const size_t inputs = call.op.schema().arguments().size() - std::min(call.args.size(), call.op.schema().arguments().size());
-    TORCH_CHECK(inputs == 1 || inputs == 2, "DecodeProgram.add_linear: ", op, " takes ", call.op.schema().arguments().size(),
+    const size_t arguments = call.op.schema().arguments().size();
+    call.inputs = arguments - std::min(call.args.size(), arguments);  // what comes before the pattern's arguments
+    TORCH_CHECK(call.inputs == 1 || call.inputs == 2, "DecodeProgram.add_linear: ", op, " takes ", arguments,
                 " arguments, the pattern gives ", call.args.size(), " after its input (x, or q and scales)");
     linears.push_back(std::move(call));
     return static_cast<int64_t>(linears.size()) - 1;
@@ -120,7 +121,7 @@ struct DecodeProgram : torch::CustomClassHolder {
     for (const int64_t index : {qkv, o_proj, gate_up, down})
       TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears.size()), "DecodeProgram.add_layer: no linear call ", index);
     for (const int64_t index : {qkv, gate_up})
-      TORCH_CHECK((linears[index].op.schema().arguments().size() - linears[index].args.size() == 2) == (quant_group >= 0),
+      TORCH_CHECK((linears[index].inputs == 2) == (quant_group >= 0),
                   "DecodeProgram.add_layer: qkv_proj and gate_up_proj must take quantized input exactly when quant_group >= 0");
     layers.push_back({norm_1, norm_2, eps_1, eps_2, qkv, o_proj, gate_up, down, num_heads, num_kv_heads, k_cache, v_cache, k_scale,
                       v_scale, window, scale, quant_group});

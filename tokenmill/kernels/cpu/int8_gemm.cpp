@@ -239,16 +239,22 @@ float quantize_group(const T* x, int64_t K, int64_t Kp, uint8_t* q, int offset) 
   return scale;
 }
 
-// Every row of x [M, K] per group of G: q [M, Kp] (the padding in the last group), scales [M, groups].
+// One row x [K] per group of G: q [Kp] (the padding in the last group), scales [groups].
+template <typename T>
+void quantize_row(const T* x, int64_t K, int64_t Kp, int64_t G, uint8_t* q, float* scales, int offset) {
+  const int64_t groups = (K + G - 1) / G;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
+    scales[g] = quantize_group(x + k0, k1 - k0, (g + 1 == groups ? Kp : k1) - k0, q + k0, offset);
+  }
+}
+
+// Every row of x [M, K] per group of G: q [M, Kp], scales [M, groups].
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t G, uint8_t* q, float* scales, int offset) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), groups = (K + G - 1) / G;
   at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
-        scales[m * groups + g] = quantize_group(x + m * K + k0, k1 - k0, (g + 1 == groups ? Kp : k1) - k0, q + m * Kp + k0, offset);
-      }
+    for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, K, Kp, G, q + m * Kp, scales + m * groups, offset);
   });
 }
 
@@ -527,13 +533,8 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 std::tuple<at::Tensor, at::Tensor> w8a8_rms_norm_quant(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                                        const at::Tensor& weight, double eps, int64_t group_size) {
   const char* op = "w8a8_rms_norm_quant";
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [rows, hidden] with contiguous rows");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
-              op, ": weight must be [hidden] in x's dtype");
   const bool add = residual.has_value() && residual->defined();
-  if (add)
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && residual->scalar_type() == x.scalar_type(), op,
-                ": residual must be a contiguous tensor shaped and typed like x");
+  tokenmill_cpu::check_norm_args(x, weight, add ? &*residual : nullptr, op);
   const int64_t M = x.size(0), K = x.size(1), Kp = round_up(K, 4), G = group_of(group_size, K, op), groups = (K + G - 1) / G;
   at::Tensor q = at::empty({M, Kp}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({M, groups}, x.options().dtype(at::kFloat));
@@ -558,10 +559,7 @@ std::tuple<at::Tensor, at::Tensor> w8a8_rms_norm_quant(const at::Tensor& x, cons
           row = res + m * K;
         }
         tokenmill_cpu::rms_norm_row(row, w, normed, K, static_cast<float>(eps));
-        for (int64_t g = 0; g < groups; ++g) {
-          const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
-          sp[m * groups + g] = quantize_group(normed + k0, k1 - k0, (g + 1 == groups ? Kp : k1) - k0, qp + m * Kp + k0, kOffset);
-        }
+        quantize_row(normed, K, Kp, G, qp + m * Kp, sp + m * groups, kOffset);
       }
     });
   });

@@ -53,6 +53,17 @@ inline void rms_norm_row(const T* x, const T* weight, T* out, int64_t n, float e
     out[i] = static_cast<T>(static_cast<float>(weight[i]) * static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * inv)));
 }
 
+// A norm's arguments: x [rows, hidden] with contiguous rows, weight [hidden] in x's dtype, and the residual
+// stream (nullptr: none) contiguous, shaped and typed like x. op names the caller in the errors.
+inline void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* residual, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [rows, hidden] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              op, ": weight must be [hidden] in x's dtype");
+  if (residual != nullptr)
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && residual->scalar_type() == x.scalar_type(), op,
+                ": residual must be a contiguous tensor shaped and typed like x");
+}
+
 // Rows per task, so that a handful of decode rows stays on one thread.
 inline int64_t norm_grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
 

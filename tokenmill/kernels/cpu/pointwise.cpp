@@ -42,14 +42,8 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* weight, T* out, int64_
   });
 }
 
-void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, hidden] with contiguous rows");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "weight must be [hidden]");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight must share a dtype");
-}
-
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_norm_args(x, weight);
+  tokenmill_cpu::check_norm_args(x, weight, nullptr, "rms_norm");
   auto out = at::empty(x.sizes(), x.options());
   dispatch_float_types(x.scalar_type(), "rms_norm", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -60,9 +54,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // residual := to_dtype(residual + x); returns rms_norm(residual). One pass over both.
 at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_norm_args(x, weight);
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
-              "residual must be a contiguous tensor shaped and typed like x");
+  tokenmill_cpu::check_norm_args(x, weight, &residual, "add_rms_norm");
   auto out = at::empty(x.sizes(), x.options());
   dispatch_float_types(x.scalar_type(), "add_rms_norm", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
