@@ -155,7 +155,12 @@ inline XBcast xbcast(const uint8_t* p) {
 }
 inline IVec dot4(IVec acc, XBcast x, IVec w) {
   const __m256i pairs = _mm256_maddubs_epi16(x.abs, _mm256_sign_epi8(w, x.x));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  // The add as asm, as VNNI's dot4: with the intrinsic gcc kept 3 of the tile's 8 accumulators on the
+  // stack (a load and a store each per step). x86-64-v3 build on the Zen 4, in-process A/B over
+  // SmolLM2's four shapes: 1.016-1.029x at 2,048 rows, level at 32 (the same bits).
+  asm("vpaddd %1, %0, %0" : "+x"(acc) : "x"(quads));
+  return acc;
 }
 inline Vec to_float(IVec a) { return {_mm256_cvtepi32_ps(a)}; }
 #endif
