@@ -9,6 +9,16 @@ unquantized; after @, environment variables set while that engine is built, e.g.
 `4k=none@TOKENMILL_HUGE_PAGE_WEIGHTS=0`). Every run gets prompts no other run had (no prefix-cache
 hits across runs); the KV caches are faulted in first (worker/cpu_memory.py), and the order of the
 settings flips every round. --num-prompts 1: one request at a time's speed (also as ms per token).
+
+--lockstep: each round gives every engine the same requests at once and steps the engines in turn,
+one engine step each (LLMEngine.step(), the order flipping every step), so all of them run under the
+same load from the machine's neighbours: on a shared VM whose speed drifts by tens of percent
+within a minute, whole-run rounds can disagree by 2x while lockstep rounds agree within a few
+percent. A round's figure is each engine's output tokens over the sum of its own steps' times;
+it also prints the median over decode steps (every prompt computed) of each step's time ratio.
+The engines take turns on the same cores, so an engine's weights are out of the caches when its
+step begins (at workload A's 32 rows they stream from memory anyway; a one-request run, whose
+weights might otherwise stay in L3, reads slower this way).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kv-cache-memory", type=float, default=1e9)
     parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    parser.add_argument("--lockstep", action="store_true", help="interleave the engines step by step (see above)")
     args = parser.parse_args()
     num_prompts = args.num_prompts
 
@@ -54,18 +65,62 @@ def main() -> None:
         llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 
     results: dict[str, list[float]] = {label: [] for label in labels}
-    for r in range(args.rounds):
-        for i, label in enumerate(labels if r % 2 == 0 else labels[::-1]):
-            shift = len(labels) * r + i + 1  # prompts of their own
-            start = time.perf_counter()
-            engines[label].generate(prompt_token_ids=[[t + shift for t in p] for p in prompts], sampling_params=params, use_tqdm=False)
-            results[label].append(num_prompts * OUTPUT_LEN / (time.perf_counter() - start))
+    run = run_lockstep if args.lockstep else run_alternating
+    run(engines, prompts, params, args.rounds, results)
     for label, values in results.items():
         per_token = f" ({1000 / statistics.median(values):.2f} ms a token)" if num_prompts == 1 else ""
         print(f"{label}: output tok/s per round {[round(v, 1) for v in values]}, median {statistics.median(values):.1f}{per_token}")
     for label in labels[1:]:
         ratios = [a / b for a, b in zip(results[label], results[labels[0]])]
         print(f"{label} / {labels[0]}: per round {[round(x, 3) for x in ratios]}, median {statistics.median(ratios):.3f}")
+
+
+def run_alternating(engines: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, rounds: int,
+                    results: dict[str, list[float]]) -> None:
+    """Rounds of whole runs, one engine after the other, the order flipping every round."""
+    labels = list(engines)
+    for r in range(rounds):
+        for i, label in enumerate(labels if r % 2 == 0 else labels[::-1]):
+            shift = len(labels) * r + i + 1  # prompts of their own
+            start = time.perf_counter()
+            engines[label].generate(prompt_token_ids=[[t + shift for t in p] for p in prompts], sampling_params=params, use_tqdm=False)
+            results[label].append(len(prompts) * OUTPUT_LEN / (time.perf_counter() - start))
+
+
+def run_lockstep(engines: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, rounds: int,
+                 results: dict[str, list[float]]) -> None:
+    """Rounds of the engines stepping in turn on the same requests (see the module's --lockstep)."""
+    labels = list(engines)
+    decode_ratios: dict[str, list[float]] = {label: [] for label in labels[1:]}
+    for r in range(rounds):
+        for label, llm in engines.items():
+            for i, prompt in enumerate(prompts):
+                llm.llm_engine.add_request({"prompt_token_ids": [t + r + 1 for t in prompt]}, params, f"lockstep-{r}-{i}")
+        busy = {label: 0.0 for label in labels}
+        step = 0
+        while any(llm.llm_engine.has_unfinished_requests() for llm in engines.values()):
+            decode_times = {}  # this turn's step time of each engine whose step was decode only
+            for label in labels if step % 2 == 0 else labels[::-1]:
+                engine = engines[label].llm_engine
+                if not engine.has_unfinished_requests():
+                    continue
+                decoding = all(req.num_computed_tokens >= req.num_prompt_tokens for req in engine.scheduler.requests.values())
+                start = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - start
+                busy[label] += elapsed
+                if decoding:
+                    decode_times[label] = elapsed
+            for label in labels[1:]:
+                if labels[0] in decode_times and label in decode_times:
+                    decode_ratios[label].append(decode_times[labels[0]] / decode_times[label])
+            step += 1
+        for label in labels:
+            results[label].append(len(prompts) * OUTPUT_LEN / busy[label])
+    for label, ratios in decode_ratios.items():
+        if ratios:
+            print(f"{label} / {labels[0]}: decode steps' time ratio {labels[0]}/{label}, median of {len(ratios)} steps "
+                  f"{statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":
