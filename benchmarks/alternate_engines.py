@@ -2,11 +2,12 @@
 medians, and each setting's ratio to the first one per round (the figure that holds on a noisy machine).
 
     python benchmarks/alternate_engines.py none=none w8a8=w8a8 head='w8a8:{"quantize_lm_head": true}' \
-        [--model PATH] [--rounds 5] [--kv-cache-memory 1e9] [--num-prompts 32]
+        [--model PATH] [--rounds 5] [--kv-cache-memory 1e9] [--num-prompts 32] [--input-len 128] [--output-len 128]
 
-Each setting is LABEL=METHOD[:JSON quantization options][@NAME=VALUE,...] (METHOD `none` for
-unquantized; after @, environment variables set while that engine is built, e.g.
-`4k=none@TOKENMILL_HUGE_PAGE_WEIGHTS=0`). Every run gets prompts no other run had (no prefix-cache
+Each setting is LABEL=METHOD[:JSON quantization options][@NAME=VALUE,...][+JSON engine arguments]
+(METHOD `none` for unquantized; after @, environment variables set while that engine is built, e.g.
+`4k=none@TOKENMILL_HUGE_PAGE_WEIGHTS=0`; after +, more arguments of `LLM`, e.g.
+`kv8=none+{"kv_cache_dtype": "int8"}`). Every run gets prompts no other run had (no prefix-cache
 hits across runs); the KV caches are faulted in first (worker/cpu_memory.py), and the order of the
 settings flips every round. --num-prompts 1: one request at a time's speed (also as ms per token).
 
@@ -42,6 +43,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kv-cache-memory", type=float, default=1e9)
     parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    parser.add_argument("--input-len", type=int, default=INPUT_LEN)
+    parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     parser.add_argument("--lockstep", action="store_true", help="interleave the engines step by step (see above)")
     args = parser.parse_args()
     num_prompts = args.num_prompts
@@ -49,18 +52,20 @@ def main() -> None:
     engines = {}
     for setting in args.settings:
         label, _, spec = setting.partition("=")
+        spec, plus, engine_args = spec.partition("+{")
         spec, _, env = spec.partition("@")
         method, _, options = spec.partition(":")
         with mock.patch.dict(os.environ, dict(pair.split("=", 1) for pair in env.split(",") if pair)):
             engines[label] = LLM(model=args.model, quantization=None if method == "none" else method,
-                                 quantization_options=json.loads(options) if options else None, kv_cache_memory=int(args.kv_cache_memory))
+                                 quantization_options=json.loads(options) if options else None, kv_cache_memory=int(args.kv_cache_memory),
+                                 **(json.loads("{" + engine_args) if plus else {}))
     for llm in engines.values():
         llm.llm_engine.executor.driver_runner.finish_weight_move()
         llm.llm_engine.executor.driver_runner.kv_prefault.wait()
     vocab = next(iter(engines.values())).llm_engine.vocab_size
     labels = list(engines)
-    prompts = [[(i * 7 + j * 13) % (vocab - 200) + 100 for j in range(INPUT_LEN)] for i in range(num_prompts)]
-    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    prompts = [[(i * 7 + j * 13) % (vocab - 200) + 100 for j in range(args.input_len)] for i in range(num_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for llm in engines.values():  # warm-up
         llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 
@@ -84,7 +89,7 @@ def run_alternating(engines: dict[str, LLM], prompts: list[list[int]], params: S
             shift = len(labels) * r + i + 1  # prompts of their own
             start = time.perf_counter()
             engines[label].generate(prompt_token_ids=[[t + shift for t in p] for p in prompts], sampling_params=params, use_tqdm=False)
-            results[label].append(len(prompts) * OUTPUT_LEN / (time.perf_counter() - start))
+            results[label].append(len(prompts) * params.max_tokens / (time.perf_counter() - start))
 
 
 def run_lockstep(engines: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, rounds: int,
@@ -116,7 +121,7 @@ def run_lockstep(engines: dict[str, LLM], prompts: list[list[int]], params: Samp
                     decode_ratios[label].append(decode_times[labels[0]] / decode_times[label])
             step += 1
         for label in labels:
-            results[label].append(len(prompts) * OUTPUT_LEN / busy[label])
+            results[label].append(len(prompts) * params.max_tokens / busy[label])
     for label, ratios in decode_ratios.items():
         if ratios:
             print(f"{label} / {labels[0]}: decode steps' time ratio {labels[0]}/{label}, median of {len(ratios)} steps "
