@@ -388,8 +388,11 @@ int64_t group_of(int64_t G, int64_t K, const char* op) {
   return G == 0 ? std::max<int64_t>(round_up(K, 4), 4) : G;
 }
 
-void check_packed(const at::Tensor& packed, const at::Tensor& colsum, int64_t N, int64_t K, int64_t G, const char* op) {
-  const int64_t panels = (N + kPanel - 1) / kPanel, Kp = round_up(K, 4), groups = (K + G - 1) / G;
+// The weight's arguments of both GEMM ops: w_scale float32 [N], and packed and colsum as w8a8_pack made them
+// for N channels of K inputs and activation groups of G.
+void check_weight(const at::Tensor& packed, const at::Tensor& colsum, const at::Tensor& w_scale, int64_t K, int64_t G, const char* op) {
+  TORCH_CHECK(w_scale.dim() == 1 && w_scale.scalar_type() == at::kFloat, op, ": w_scale must be float32 [N]");
+  const int64_t N = w_scale.size(0), panels = (N + kPanel - 1) / kPanel, Kp = round_up(K, 4), groups = (K + G - 1) / G;
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(0) == panels &&
                   packed.size(1) == Kp * kPanel,
               op, ": packed weight must be w8a8_pack's output for ", N, " channels of ", K, " inputs (this build packs panels of ",
@@ -508,11 +511,11 @@ void gemm_quantized(const uint8_t* xq, const float* xs, int64_t M, int64_t Kp, i
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum, const at::Tensor& w_scale,
                        const std::optional<at::Tensor>& bias, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2, "w8a8_linear: x must be [rows, in_features]");
-  TORCH_CHECK(w_scale.dim() == 1 && w_scale.scalar_type() == at::kFloat, "w8a8_linear: w_scale must be float32 [N]");
   const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = w_scale.size(0), Kp = round_up(K, 4);
+  const int64_t M = xc.size(0), K = xc.size(1), Kp = round_up(K, 4);
   const int64_t G = group_of(group_size, K, "w8a8_linear"), groups = (K + G - 1) / G;
-  check_packed(packed, colsum, N, K, G, "w8a8_linear");
+  check_weight(packed, colsum, w_scale, K, G, "w8a8_linear");
+  const int64_t N = w_scale.size(0);
   at::Tensor y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
   std::unique_ptr<uint8_t[]> xq(new uint8_t[M * Kp]);  // every byte is written by quantize_rows
@@ -575,11 +578,10 @@ at::Tensor w8a8_linear_quantized(const at::Tensor& q, const at::Tensor& scales, 
                                  const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, int64_t group_size,
                                  at::ScalarType dtype) {
   const char* op = "w8a8_linear_quantized";
-  TORCH_CHECK(w_scale.dim() == 1 && w_scale.scalar_type() == at::kFloat, op, ": w_scale must be float32 [N]");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && scales.dim() == 2 && scales.size(0) == q.size(0) &&
                   scales.scalar_type() == at::kFloat && scales.is_contiguous(),
               op, ": q and scales must be w8a8_rms_norm_quant's output");
-  const int64_t M = q.size(0), Kp = q.size(1), N = w_scale.size(0), groups = scales.size(1);
+  const int64_t M = q.size(0), Kp = q.size(1), groups = scales.size(1);
   TORCH_CHECK(packed.dim() == 2 && packed.size(1) == Kp * kPanel, op, ": the activations have ", Kp,
               " (padded) features, the packed weight ", packed.size(1) / kPanel);
   // K itself is not in the activations: Kp gives the same groups (a multiple of G is one of 4, so no group
@@ -587,8 +589,8 @@ at::Tensor w8a8_linear_quantized(const at::Tensor& q, const at::Tensor& scales, 
   const int64_t G = group_of(group_size, Kp, op);
   TORCH_CHECK(groups == (Kp + G - 1) / G, op, ": ", groups, " activation scales per row, but groups of ", G, " over ", Kp,
               " features make ", (Kp + G - 1) / G);
-  check_packed(packed, colsum, N, Kp, G, op);
-  at::Tensor y = at::empty({M, N}, q.options().dtype(dtype));
+  check_weight(packed, colsum, w_scale, Kp, G, op);
+  at::Tensor y = at::empty({M, w_scale.size(0)}, q.options().dtype(dtype));
   gemm_quantized(q.data_ptr<uint8_t>(), scales.data_ptr<float>(), M, Kp, G, groups, packed, colsum, w_scale, bias, y, op);
   return y;
 }
