@@ -11,6 +11,12 @@ Each setting is LABEL=METHOD[:JSON quantization options][@NAME=VALUE,...][+JSON 
 hits across runs); the KV caches are faulted in first (worker/cpu_memory.py), and the order of the
 settings flips every round. --num-prompts 1: one request at a time's speed (also as ms per token).
 
+--dataset chat: the bench's held-out chat prompts instead of the random token ids, greedy until EOS or
+--output-len (an output's real length counts), the next --num-prompts of them each round (for
+speculative decoding, whose speed depends on what is written: e.g. `none=none
+'eagle=none+{"speculative_config": {"method": "eagle", "model": "eagle/", "num_speculative_tokens": 2,
+"tree_width": 3}}' --dataset chat --num-prompts 1 --rounds 8 --lockstep`).
+
 --lockstep: each round gives every engine the same requests at once and steps the engines in turn,
 one engine step each (LLMEngine.step(), the order flipping every step), so all of them run under the
 same load from the machine's neighbours: on a shared VM whose speed drifts by tens of percent
@@ -46,6 +52,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=INPUT_LEN)
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     parser.add_argument("--lockstep", action="store_true", help="interleave the engines step by step (see above)")
+    parser.add_argument("--dataset", choices=("random", "chat"), default="random", help="the prompts (see above)")
     args = parser.parse_args()
     num_prompts = args.num_prompts
 
@@ -64,14 +71,24 @@ def main() -> None:
         llm.llm_engine.executor.driver_runner.kv_prefault.wait()
     vocab = next(iter(engines.values())).llm_engine.vocab_size
     labels = list(engines)
-    prompts = [[(i * 7 + j * 13) % (vocab - 200) + 100 for j in range(args.input_len)] for i in range(num_prompts)]
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    if args.dataset == "chat":
+        from tokenmill.bench.datasets import chat_dataset
+
+        chats = [r.prompt_token_ids for r in chat_dataset(next(iter(engines.values())).get_tokenizer(), num_prompts * args.rounds,
+                                                          args.output_len)]
+        round_prompts = lambda r, i: chats[r * num_prompts : (r + 1) * num_prompts]  # noqa: E731 - each round its own
+    else:
+        base = [[(i * 7 + j * 13) % (vocab - 200) + 100 for j in range(args.input_len)] for i in range(num_prompts)]
+        # Each run prompts no other run had (no prefix-cache hits across runs).
+        round_prompts = lambda r, i: [[t + r * len(labels) + i + 1 for t in p] for p in base]  # noqa: E731
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=args.dataset == "random")
     for llm in engines.values():  # warm-up
-        llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        llm.generate(prompt_token_ids=round_prompts(0, 0)[:2], sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
 
     results: dict[str, list[float]] = {label: [] for label in labels}
     run = run_lockstep if args.lockstep else run_alternating
-    run(engines, prompts, params, args.rounds, results)
+    run(engines, round_prompts, params, args.rounds, results)
     for label, values in results.items():
         per_token = f" ({1000 / statistics.median(values):.2f} ms a token)" if num_prompts == 1 else ""
         print(f"{label}: output tok/s per round {[round(v, 1) for v in values]}, median {statistics.median(values):.1f}{per_token}")
@@ -80,28 +97,34 @@ def main() -> None:
         print(f"{label} / {labels[0]}: per round {[round(x, 3) for x in ratios]}, median {statistics.median(ratios):.3f}")
 
 
-def run_alternating(engines: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, rounds: int,
+def output_tokens(outputs) -> int:
+    """The tokens generated in these finished RequestOutputs."""
+    return sum(len(c.token_ids) for out in outputs if out.finished for c in out.outputs)
+
+
+def run_alternating(engines: dict[str, LLM], round_prompts, params: SamplingParams, rounds: int,
                     results: dict[str, list[float]]) -> None:
     """Rounds of whole runs, one engine after the other, the order flipping every round."""
     labels = list(engines)
     for r in range(rounds):
         for i, label in enumerate(labels if r % 2 == 0 else labels[::-1]):
-            shift = len(labels) * r + i + 1  # prompts of their own
             start = time.perf_counter()
-            engines[label].generate(prompt_token_ids=[[t + shift for t in p] for p in prompts], sampling_params=params, use_tqdm=False)
-            results[label].append(len(prompts) * params.max_tokens / (time.perf_counter() - start))
+            outputs = engines[label].generate(prompt_token_ids=round_prompts(r, i), sampling_params=params, use_tqdm=False)
+            results[label].append(output_tokens(outputs) / (time.perf_counter() - start))
 
 
-def run_lockstep(engines: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, rounds: int,
+def run_lockstep(engines: dict[str, LLM], round_prompts, params: SamplingParams, rounds: int,
                  results: dict[str, list[float]]) -> None:
     """Rounds of the engines stepping in turn on the same requests (see the module's --lockstep)."""
     labels = list(engines)
     decode_ratios: dict[str, list[float]] = {label: [] for label in labels[1:]}
     for r in range(rounds):
+        prompts = round_prompts(r, 0)
         for label, llm in engines.items():
             for i, prompt in enumerate(prompts):
-                llm.llm_engine.add_request({"prompt_token_ids": [t + r + 1 for t in prompt]}, params, f"lockstep-{r}-{i}")
+                llm.llm_engine.add_request({"prompt_token_ids": prompt}, params, f"lockstep-{r}-{i}")
         busy = {label: 0.0 for label in labels}
+        tokens = {label: 0 for label in labels}
         step = 0
         while any(llm.llm_engine.has_unfinished_requests() for llm in engines.values()):
             decode_times = {}  # this turn's step time of each engine whose step was decode only
@@ -111,9 +134,10 @@ def run_lockstep(engines: dict[str, LLM], prompts: list[list[int]], params: Samp
                     continue
                 decoding = all(req.num_computed_tokens >= req.num_prompt_tokens for req in engine.scheduler.requests.values())
                 start = time.perf_counter()
-                engine.step()
+                outputs = engine.step()
                 elapsed = time.perf_counter() - start
                 busy[label] += elapsed
+                tokens[label] += output_tokens(outputs)
                 if decoding:
                     decode_times[label] = elapsed
             for label in labels[1:]:
@@ -121,7 +145,7 @@ def run_lockstep(engines: dict[str, LLM], prompts: list[list[int]], params: Samp
                     decode_ratios[label].append(decode_times[labels[0]] / decode_times[label])
             step += 1
         for label in labels:
-            results[label].append(len(prompts) * params.max_tokens / busy[label])
+            results[label].append(tokens[label] / busy[label])
     for label, ratios in decode_ratios.items():
         if ratios:
             print(f"{label} / {labels[0]}: decode steps' time ratio {labels[0]}/{label}, median of {len(ratios)} steps "
