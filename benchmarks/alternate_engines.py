@@ -76,11 +76,17 @@ def main() -> None:
 
         chats = [r.prompt_token_ids for r in chat_dataset(next(iter(engines.values())).get_tokenizer(), num_prompts * args.rounds,
                                                           args.output_len)]
-        round_prompts = lambda r, i: chats[r * num_prompts : (r + 1) * num_prompts]  # noqa: E731 - each round its own
+
+        def round_prompts(r: int, i: int) -> list[list[int]]:
+            """Round r's prompts (the i-th engine's run of it: the same for every engine)."""
+            return chats[r * num_prompts : (r + 1) * num_prompts]
     else:
         base = [[(i * 7 + j * 13) % (vocab - 200) + 100 for j in range(args.input_len)] for i in range(num_prompts)]
-        # Each run prompts no other run had (no prefix-cache hits across runs).
-        round_prompts = lambda r, i: [[t + r * len(labels) + i + 1 for t in p] for p in base]  # noqa: E731
+
+        def round_prompts(r: int, i: int) -> list[list[int]]:
+            """Round r's prompts for its i-th run, shifted so that no other run had them (no prefix-cache hits
+            across runs); lockstep gives every engine of a round i = 0."""
+            return [[t + r * len(labels) + i + 1 for t in p] for p in base]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=args.dataset == "random")
     for llm in engines.values():  # warm-up
         llm.generate(prompt_token_ids=round_prompts(0, 0)[:2], sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
