@@ -166,10 +166,12 @@ inline float exp_sum(float* x, int64_t n, float m) {
 // starts and the tasks' ends, and every pass but a thread's first reads from L2. The QK pass asks for
 // the task's V rows, the PV pass for the next task's K rows (tasks are claimed one ahead). Its block
 // prefetch is then not needed. Both builds in one process, alternated 25 times over SmolLM2's 30 layers
-// of cache for 32 requests (Zen 4, four runs): bf16 at 190 tokens 250 -> 209 us a layer (1.18-1.21x;
+// of cache for 32 requests (Zen 4, five runs): bf16 at 190 tokens 250 -> 209 us a layer (1.16-1.21x;
 // blocks in random order 1.16-1.21x), at 1,000 tokens 1.04-1.11x; float32 1.24-1.27x and 1.13-1.28x;
-// the AVX2 build's float32 1.22x and 1.06x. A quantized cache keeps the block prefetch: its kernel
-// waits on its widening and FMAs, not memory, and the extra prefetches cost it (int8 at 1,000 tokens 0.91x).
+// the AVX2 build's float32 1.22x and 1.06x. Only with four tasks or more a thread (decode_kernel's
+// pass_ahead); one request keeps the block prefetch (0.98-0.99x, the same code but for a test a row). A
+// quantized cache keeps it too: its kernel waits on its widening and FMAs, not memory, and the extra
+// prefetches cost it (int8 at 1,000 tokens 0.91x).
 constexpr int64_t kPrefetchBlocks = 2;
 
 // Where a row's context positions lie in the cache: position t in block blocks[t / BS] at t % BS,
@@ -484,15 +486,20 @@ void decode_kernel(
     const int64_t first = first_position(b);
     return NextPass<cache_t>{cache + h * NB * BS * D, block_table + b * MB, first / BS, paged_len > first ? (paged_len - 1) / BS : -1};
   };
-  constexpr bool kPassAhead = std::is_same_v<cache_t, scalar_t>;  // unquantized (see kPrefetchBlocks)
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  // Each pass asks for the next one (see kPrefetchBlocks): an unquantized cache, and tasks enough per
+  // thread. Claiming a task ahead can leave a thread idle while another holds two (one request's 2 KV
+  // heads on 2 threads ran one after the other: 0.57-0.82x), and a thread's first pass, which nothing
+  // asked for, goes without the block prefetch (at one task a thread, 0.90x at 1,000 tokens).
+  const bool pass_ahead = std::is_same_v<cache_t, scalar_t> && num_tasks >= 4 * num_threads;
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(G * D), acc(G * D), scores, lse(G);
     std::vector<uint32_t> p2;  // P as bf16 pairs (pv_bf16)
     int64_t ancestor_rows[64];  // a tree node's ancestors' cache rows, root's child first
-    // Claimed one ahead: its K rows are asked for during this task's PV pass (an unquantized cache).
+    // With pass_ahead, the next task is claimed ahead: its K rows are asked for during this task's PV pass.
     int64_t task = next_task.fetch_add(1, std::memory_order_relaxed);
     while (task < num_tasks) {
-      const int64_t following = next_task.fetch_add(1, std::memory_order_relaxed);
+      const int64_t following = pass_ahead ? next_task.fetch_add(1, std::memory_order_relaxed) : num_tasks;
       const int64_t b = task / Hkv, h = task % Hkv;
       const uint64_t mask = tree_mask != nullptr ? static_cast<uint64_t>(tree_mask[b]) : 0;
       const int64_t len = positions[b] + 1, first = first_position(b), n = len - first;
@@ -515,7 +522,7 @@ void decode_kernel(
         where.tail_rows = ancestor_rows;
       }
       NextPass<cache_t> v_pass, next_k_pass;  // what the QK pass and the PV pass ask for ahead
-      if constexpr (kPassAhead) {
+      if (pass_ahead) {
         v_pass = pass_of(v_cache, b, h, std::min(len, where.tail_start));
         if (following < num_tasks) next_k_pass = pass_of(k_cache, following / Hkv, following % Hkv, positions[following / Hkv] + 1);
       }
@@ -565,7 +572,7 @@ void decode_kernel(
       }
       scalar_t* orow = out + (token_rows[b] * Hkv + h) * G * D;
       for (int64_t i = 0; i < G * D; ++i) orow[i] = static_cast<scalar_t>(acc[i]);
-      task = following;
+      task = pass_ahead ? following : next_task.fetch_add(1, std::memory_order_relaxed);
     }
   });
 }
