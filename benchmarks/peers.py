@@ -387,12 +387,17 @@ if __name__ == "__main__":
 '''
 
 
-def vllm_env(ctx: Ctx) -> dict:
+def vllm_cpu_env(ncpu: int, kv_gib: int) -> dict:
+    """vLLM CPU's settings: all ncpu cores (by default it keeps one back), a KV cache of kv_gib GiB."""
     return {
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{ctx.ncpu - 1}",
-        "VLLM_CPU_KVCACHE_SPACE": str(ctx.args.vllm_kv_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{ncpu - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
         "VLLM_TARGET_DEVICE": "cpu",
     }
+
+
+def vllm_env(ctx: Ctx) -> dict:
+    return vllm_cpu_env(ctx.ncpu, ctx.args.vllm_kv_gib)
 
 
 def step_vllm(ctx: Ctx) -> None:
@@ -563,10 +568,22 @@ def llamacpp_serve_cmd(ctx: Ctx, gguf: Path, slots: int, context: int, *options:
             "-t", str(ctx.ncpu), "-tb", str(ctx.ncpu), "-np", str(slots), "-c", str(context), *options]
 
 
-def vllm_serve_cmd(ctx: Ctx, model, *options: str) -> list:
-    return [ctx.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", ctx.args.dtype,
-            "--max-model-len", str(MAX_MODEL_LEN), "--port", str(ctx.args.port), "--host", "127.0.0.1",
+def vllm_server_command(python, model, dtype: str, port: int, *options: str) -> list:
+    """vLLM's OpenAI server on 127.0.0.1:port, started with the vLLM environment's python."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
+            "--max-model-len", str(MAX_MODEL_LEN), "--port", str(port), "--host", "127.0.0.1",
             "--served-model-name", SERVED_NAME, "--seed", "0", *options]
+
+
+def vllm_serve_cmd(ctx: Ctx, model, *options: str) -> list:
+    return vllm_server_command(ctx.vllm_python, model, ctx.args.dtype, ctx.args.port, *options)
+
+
+def llamacpp_slots(workload: str) -> tuple[int, int]:
+    """llama-server's parallel slots for a workload (one a request, at most 64) and the context each needs."""
+    arguments = WORKLOADS[workload]
+    slots = min(int(arguments[arguments.index("--num-prompts") + 1]), 64)
+    return slots, 1024 if workload == "B" else (1024 + 32 + 32 if workload.startswith("C") else 256)
 
 
 def step_tokenmill_serve(ctx: Ctx) -> None:
@@ -586,9 +603,7 @@ def step_llamacpp(ctx: Ctx) -> None:
         if not ctx.gguf(model).exists():
             convert_to_gguf(ctx, model, _llama_cpp_tree(ctx), ctx.logs / "llamacpp-build.log")
         for w in ctx.args.workloads:
-            n = int(WORKLOADS[w][WORKLOADS[w].index("--num-prompts") + 1])
-            slots = min(n, 64)
-            per_slot = 1024 if w == "B" else (1024 + 32 + 32 if w.startswith("C") else 256)
+            slots, per_slot = llamacpp_slots(w)
             cmd = llamacpp_serve_cmd(ctx, ctx.gguf(model), slots, slots * per_slot, "--cont-batching")
             extra = {"cache_prompt": False} if w == "C-nocache" else None
             serve_and_bench(ctx, "llamacpp", model, [w], cmd, None, ready_timeout=300, extra_body=extra)

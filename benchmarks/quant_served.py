@@ -1,18 +1,29 @@
-"""tokenmill's quantized methods against llama.cpp on the same model, served, one request at a time, alternating.
+"""tokenmill against llama.cpp and vLLM CPU on the same model, served, alternating round-robin.
 
     python benchmarks/quant_served.py [--model llama1b] [--rounds 3] [--servers tm-none,ll-none,tm-int8,ll-Q8_0,...]
+    python benchmarks/quant_served.py --model tiny100m --servers tm-none,vllm-none --workload B --rounds 3
 
 benchmarks/peers.py's `quant` step runs each server in turn, minutes apart; on a shared machine
 whose memory bandwidth drifts by a third within an hour, that compares the moments more than the
 engines. This starts every server first (one at a time, each waiting for /health; idle servers use
-no CPU), then runs `tokenmill bench serve` (4 requests of 128 prompt / 128 output tokens, one at a
-time) against them round-robin, round after round, and prints each server's median p50 time per
-output token. It reads what peers.py builds under WORK (default ~/.cache/tokenmill-peers): the
-model folder and its GGUFs (`python benchmarks/peers.py --steps model,llamacpp-build,quant
---models M --quant-model M` makes them) and llama-server.
+no CPU), then runs `tokenmill bench serve` against them round-robin, round after round, on the same
+requests within a round. It reads what peers.py builds under WORK (default ~/.cache/tokenmill-peers):
+the model folder and its GGUFs (`python benchmarks/peers.py --steps model,llamacpp-build,quant
+--models M --quant-model M` makes them), llama-server, and vLLM's virtual environment (the
+vllm-install step).
+
+--workload: `single` (the default: 4 requests of 128 prompt / 128 output tokens, one at a time)
+prints each server's median p50 time per output token; any other of peers.py's workloads (A, B, C,
+C-nocache, rate4) runs as peers.py's served steps run it and prints each server's median output
+throughput, and for every server after the first the median of its per-round ratios to the first
+(the paired rounds are what resolves a 1.3x on a VM whose speed drifts by more than that between runs).
 
 Servers: tm-none, tm-int8, tm-int4 (groups of 128), tm-int4g32, tm-gguf-Q8_0 / Q4_0 / Q4_1
-(tokenmill -q gguf on llama-quantize's files), ll-none (the float GGUF), ll-Q8_0, ll-Q4_0, ll-Q4_1.
+(tokenmill -q gguf on llama-quantize's files), ll-none (the float GGUF), ll-Q8_0, ll-Q4_0, ll-Q4_1,
+vllm-none (vLLM CPU on the model folder, started as peers.py starts it); `NAME@VAR=value+VAR2=value`
+is server NAME with those environment variables set. The throughput workloads
+give tokenmill and vLLM their default KV caches as peers.py does (one request at a time: 512 MB
+for tokenmill), llama.cpp one slot per request up to 64.
 """
 
 from __future__ import annotations
@@ -29,21 +40,35 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from peers import MAX_MODEL_LEN, SERVED_NAME, WORKLOADS, llamacpp_slots, vllm_cpu_env, vllm_server_command
+
 from tokenmill.kernels import cpu as cpu_kernels
 
+SINGLE = "single"
 
-def server_commands(work: Path, model: str, dtype: str) -> dict[str, Callable[[int], list]]:
+
+def server_commands(work: Path, model: str, dtype: str, workload: str) -> dict[str, Callable[[int], list]]:
     models = work / "models"
     folder = models / model
+    throughput = workload != SINGLE
+    no_cache = workload == "C-nocache"
 
     def tokenmill(port: int, path: Path, *options: str) -> list:
-        return [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", path, "--dtype", dtype, "--max-model-len", "2048",
-                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "peer", "--kv-cache-memory", str(512 << 20), *options]
+        memory = [] if throughput else ["--kv-cache-memory", str(512 << 20)]
+        return [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", path, "--dtype", dtype, "--max-model-len",
+                str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME, *memory,
+                *(["--no-prefix-caching"] if no_cache else []), *options]
 
     def llama(port: int, gguf: Path) -> list:
         threads = str(os.cpu_count() or 1)  # as peers.py runs it
-        return [work / "llama-build" / "bin" / "llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", "peer",
-                "-t", threads, "-tb", threads, "-np", "1", "-c", "2048"]
+        slots, per_slot = llamacpp_slots(workload) if throughput else (1, MAX_MODEL_LEN)
+        return [work / "llama-build" / "bin" / "llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--alias",
+                SERVED_NAME, "-t", threads, "-tb", threads, "-np", str(slots), "-c", str(slots * per_slot),
+                *(["--cont-batching"] if throughput else [])]
+
+    def vllm(port: int) -> list:
+        return vllm_server_command(work / "venv-vllm" / "bin" / "python", folder, dtype, port,
+                                   "--no-enable-prefix-caching" if no_cache else "--enable-prefix-caching")
 
     gguf = lambda qtype: models / f"{model}-{qtype}.gguf"  # noqa: E731
     return {
@@ -54,7 +79,35 @@ def server_commands(work: Path, model: str, dtype: str) -> dict[str, Callable[[i
         **{f"tm-gguf-{q}": (lambda p, q=q: tokenmill(p, gguf(q), "-q", "gguf")) for q in ("Q8_0", "Q4_0", "Q4_1")},
         "ll-none": lambda p: llama(p, gguf(dtype)),
         **{f"ll-{q}": (lambda p, q=q: llama(p, gguf(q))) for q in ("Q8_0", "Q4_0", "Q4_1")},
+        "vllm-none": vllm,
     }
+
+
+def split_server(name: str) -> tuple[str, dict[str, str]]:
+    """A server's kind and the environment it adds: `tm-none@VAR=value+VAR2=value` is tm-none with those
+    variables set (e.g. two tokenmill servers that differ only in an environment variable)."""
+    kind, _, assignments = name.partition("@")
+    extra = dict(pair.split("=", 1) for pair in assignments.split("+") if "=" in pair)
+    return kind, extra
+
+
+def server_env(name: str) -> dict[str, str]:
+    """The server's environment: its @ assignments, and vLLM's CPU settings as peers.py's vllm_env sets
+    them (all cores: by default it keeps one back)."""
+    kind, extra = split_server(name)
+    vllm = vllm_cpu_env(os.cpu_count() or 1, 4) if kind.startswith("vllm") else {}  # peers.py's --vllm-kv-gib default
+    return {**os.environ, **vllm, **extra}
+
+
+def bench_arguments(workload: str, seed: int, server: str) -> list[str]:
+    """`tokenmill bench serve`'s arguments for a round: the same requests for every server of the round (llama.cpp
+    told per request not to reuse its cache for C-nocache, as peers.py does; the others start with it off)."""
+    if workload == SINGLE:
+        return ["--dataset", "random", "--num-prompts", "4", "--input-len", "128", "--output-len", "128", "--max-concurrency", "1",
+                "--seed", str(seed)]
+    llama = split_server(server)[0].startswith("ll-")
+    extra = ["--extra-body", json.dumps({"cache_prompt": False})] if workload == "C-nocache" and llama else []
+    return [*WORKLOADS[workload], "--seed", str(seed), *extra]
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, name: str, timeout: float = 300) -> None:
@@ -79,38 +132,51 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--servers", default="tm-none,ll-none,tm-int8,ll-Q8_0,tm-gguf-Q8_0,tm-int4g32,tm-gguf-Q4_0,ll-Q4_0,tm-int4,"
                                              "tm-gguf-Q4_1,ll-Q4_1")
+    parser.add_argument("--workload", default=SINGLE, choices=[SINGLE, *(w for w in WORKLOADS if w != SINGLE)],
+                        help="one request at a time (TPOT), or one of peers.py's workloads (output throughput)")
     parser.add_argument("--first-port", type=int, default=8200)
     args = parser.parse_args()
     work = Path(args.work_dir).expanduser()
-    commands = server_commands(work, args.model, args.dtype)
+    commands = server_commands(work, args.model, args.dtype, args.workload)
     names = [n.strip() for n in args.servers.split(",")]
-    unknown = [n for n in names if n not in commands]
+    unknown = [n for n in names if split_server(n)[0] not in commands]
     if unknown:
         raise SystemExit(f"unknown server(s) {', '.join(unknown)}; known: {', '.join(commands)}")
     flags = cpu_kernels.vector_flags()
     print(f"CPU flags: {flags}", flush=True)
     logs = Path(tempfile.mkdtemp(prefix="quant-served-"))
     procs: dict[str, tuple[int, subprocess.Popen]] = {}
+    single = args.workload == SINGLE
+    key, unit = ("median_tpot_ms", "ms") if single else ("output_throughput", "output tok/s")
     try:
         for i, name in enumerate(names):
             port = args.first_port + i
-            proc = subprocess.Popen([str(c) for c in commands[name](port)], stdout=open(logs / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+            command = commands[split_server(name)[0]](port)
+            proc = subprocess.Popen([str(c) for c in command], stdout=open(logs / f"{name}.log", "w"), stderr=subprocess.STDOUT,
+                                    env=server_env(name))
             procs[name] = (port, proc)
-            wait_healthy(port, proc, name)
+            wait_healthy(port, proc, name, timeout=900 if name.startswith("vllm") else 300)  # vLLM compiles for a minute or more
             print(f"{name} ready on port {port} (log {logs / (name + '.log')})", flush=True)
-        tpot: dict[str, list[float]] = {n: [] for n in names}
+        values: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
-            for name in names:
+            for name in names if r % 2 == 0 else names[::-1]:  # the order flips each round: no server always runs first
                 out = logs / f"{name}-{r}.json"
                 subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "bench", "serve", "--base-url",
-                                f"http://127.0.0.1:{procs[name][0]}", "--tokenizer", str(work / "models" / args.model), "--dataset", "random",
-                                "--num-prompts", "4", "--input-len", "128", "--output-len", "128", "--max-concurrency", "1", "--seed", str(r),
-                                "--model", "peer", "--json", str(out)], check=True, capture_output=True)
-                tpot[name].append(json.loads(out.read_text())["median_tpot_ms"])
-                print(f"round {r}: {name} {tpot[name][-1]:.2f} ms", flush=True)
-        print(f"\n{args.model}, served, one request at a time: median over {args.rounds} rounds of p50 time per output token")
+                                f"http://127.0.0.1:{procs[name][0]}", "--tokenizer", str(work / "models" / args.model),
+                                *bench_arguments(args.workload, r, name), "--model", SERVED_NAME, "--json", str(out)],
+                               check=True, capture_output=True)
+                values[name].append(json.loads(out.read_text())[key])
+                print(f"round {r}: {name} {values[name][-1]:.2f} {unit}", flush=True)
+        what = "one request at a time: median over {} rounds of p50 time per output token" if single else \
+            f"workload {args.workload}: median over {{}} rounds of the output throughput"
+        print(f"\n{args.model}, served, {what.format(args.rounds)}")
         for name in names:
-            print(f"{name:>14}: {statistics.median(tpot[name]):7.2f} ms  ({', '.join(f'{t:.2f}' for t in tpot[name])})")
+            print(f"{name:>14}: {statistics.median(values[name]):9.2f} {unit}  ({', '.join(f'{v:.2f}' for v in values[name])})")
+        base = names[0]
+        for name in names[1:]:  # speed of the first server over this one's, paired by round
+            ratios = [(b / a if single else a / b) for a, b in zip(values[base], values[name])]
+            print(f"{base} over {name}: median of the rounds' ratios {statistics.median(ratios):.3f}x "
+                  f"({', '.join(f'{x:.3f}' for x in ratios)})")
     finally:
         for _, proc in procs.values():
             proc.terminate()
