@@ -48,7 +48,7 @@ from tokenmill.entrypoints.openai.errors import (
     install_exception_handlers,
     request_id_of,
 )
-from tokenmill.entrypoints.openai.http_protocol import json_error_http_protocol
+from tokenmill.entrypoints.openai.http_protocol import JSONErrorHttpToolsProtocol
 from tokenmill.entrypoints.openai.middleware import (
     AuthMiddleware,
     BodyLimitMiddleware,
@@ -330,7 +330,7 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> None:
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
         timeout_keep_alive=5,
         lifespan="on",
-        http=json_error_http_protocol(),  # a request uvicorn cannot parse gets error JSON too
+        http=JSONErrorHttpToolsProtocol,  # a request uvicorn cannot parse gets error JSON too
     )
     server = uvicorn.Server(config)
     host = f"[{args.host}]" if ":" in args.host else args.host
