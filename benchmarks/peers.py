@@ -74,6 +74,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -814,6 +815,19 @@ def _figures(engine: str, data: dict) -> dict:
     return {"output_tok_s": data["output_throughput"], "req_s": data["request_throughput"],
             "mean_ttft_ms": data["mean_ttft_ms"], "elapsed_s": data["duration"], "failed": data["failed"],
             "median_ttft_ms": data["median_ttft_ms"], "median_tpot_ms": data["median_tpot_ms"]}
+
+
+def print_paired(values: dict[str, list[float]], unit: str, higher_is_better: bool) -> None:
+    """Each engine's median over the rounds, then the first engine's speed over each other one's as the median
+    of the per-round ratios (rounds run back to back, so the machine's drift hits both sides of a ratio alike)."""
+    for name, series in values.items():
+        print(f"{name:>14}: {statistics.median(series):9.2f} {unit}  ({', '.join(f'{v:.2f}' for v in series)})")
+    names = list(values)
+    base = names[0]
+    for name in names[1:]:
+        ratios = [(a / b if higher_is_better else b / a) for a, b in zip(values[base], values[name])]
+        print(f"{base} over {name}: median of the rounds' ratios {statistics.median(ratios):.3f}x "
+              f"({', '.join(f'{x:.3f}' for x in ratios)})")
 
 
 def step_table(ctx: Ctx) -> None:

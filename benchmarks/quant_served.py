@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from peers import (MAX_MODEL_LEN, SERVED_NAME, VLLM_KV_GIB, WORKLOADS, llamacpp_server_command, llamacpp_slots,
+from peers import (MAX_MODEL_LEN, SERVED_NAME, VLLM_KV_GIB, WORKLOADS, llamacpp_server_command, llamacpp_slots, print_paired,
                    tokenmill_server_command, vllm_cpu_env, vllm_server_command)
 
 from tokenmill.kernels import cpu as cpu_kernels
@@ -168,13 +167,7 @@ def main() -> None:
         what = "one request at a time: median over {} rounds of p50 time per output token" if single else \
             f"workload {args.workload}: median over {{}} rounds of the output throughput"
         print(f"\n{args.model}, served, {what.format(args.rounds)}")
-        for name in names:
-            print(f"{name:>14}: {statistics.median(values[name]):9.2f} {unit}  ({', '.join(f'{v:.2f}' for v in values[name])})")
-        base = names[0]
-        for name in names[1:]:  # speed of the first server over this one's, paired by round
-            ratios = [(b / a if single else a / b) for a, b in zip(values[base], values[name])]
-            print(f"{base} over {name}: median of the rounds' ratios {statistics.median(ratios):.3f}x "
-                  f"({', '.join(f'{x:.3f}' for x in ratios)})")
+        print_paired(values, unit, higher_is_better=not single)
     finally:
         for _, proc in procs.values():
             proc.terminate()

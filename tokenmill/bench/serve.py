@@ -110,15 +110,53 @@ def chunk_content(chunk: dict, chat: bool):
     return text
 
 
+class _EventReader:
+    """One stream's server-sent events as they arrive: times the content chunks and keeps their text and the
+    usage, by the rules of the module docstring. line() takes one line; True when the stream is over
+    ([DONE], or an error event, which sets result.error)."""
+
+    def __init__(self, result: RequestResult, chat: bool, start: float) -> None:
+        self.result, self.chat = result, chat
+        self.start = self.last = start
+        self.chunks = 0
+        self.usage_tokens: int | None = None
+        self.text_parts: list[str] = []
+
+    def line(self, raw: bytes) -> bool:
+        if not raw.startswith(b"data:"):
+            return False  # blank separators, SSE comments (keep-alives), event:/id: fields
+        data = raw[len(b"data:") :].strip()
+        if data == b"[DONE]":
+            return True
+        chunk = json.loads(data)
+        if not isinstance(chunk, dict):
+            return False
+        if chunk.get("error"):
+            error = chunk["error"]
+            self.result.error = f"error event: {error.get('message', error) if isinstance(error, dict) else error}"
+            return True
+        text = chunk_content(chunk, self.chat)
+        if text is FINISH_ONLY:
+            text = "" if self.chunks == 0 else None
+        if text is not None:
+            now = time.perf_counter()
+            if self.chunks == 0:
+                self.result.ttft = now - self.start
+            else:
+                self.result.itl.append(now - self.last)
+            self.last = now
+            self.chunks += 1
+            self.text_parts.append(text)
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+            self.usage_tokens = int(usage["completion_tokens"])
+        return False
+
+
 async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, prompt_len: int) -> RequestResult:
     """One streaming request, timed as the module docstring says. Never raises for a failed request."""
     result = RequestResult(prompt_len=prompt_len)
-    chat = "messages" in payload
-    usage_tokens: int | None = None
-    chunks = 0
-    text_parts: list[str] = []
-    start = time.perf_counter()
-    last = start
+    reader = _EventReader(result, "messages" in payload, time.perf_counter())
     try:
         async with session.post(url, json=payload) as response:
             if response.status != 200:
@@ -126,42 +164,12 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, 
                 result.error = f"HTTP {response.status}: {body[:500]}"
                 return result
             # Whatever bytes have arrived are split into lines at once (bytes.split, in C), as vLLM's client
-            # does: the client's cost per event is then its JSON, so that it takes as little as it can of
-            # the CPU the server runs on (httpx's line iterator took ~3x this), and no line is too long.
+            # does: a streamed token then costs the client little more than its JSON (httpx's line iterator
+            # took ~3x the CPU), which matters as the client shares the cores with the server it measures.
             pending = b""
-            done = False
             async for data in response.content.iter_any():
                 *lines, pending = (pending + data).split(b"\n")
-                for raw in lines:
-                    if not raw.startswith(b"data:"):
-                        continue  # blank separators, SSE comments (keep-alives), event:/id: fields
-                    payload_text = raw[len(b"data:") :].strip()
-                    if payload_text == b"[DONE]":
-                        done = True
-                        break
-                    chunk = json.loads(payload_text)
-                    if not isinstance(chunk, dict):
-                        continue
-                    if chunk.get("error"):
-                        error = chunk["error"]
-                        result.error = f"error event: {error.get('message', error) if isinstance(error, dict) else error}"
-                        return result
-                    text = chunk_content(chunk, chat)
-                    if text is FINISH_ONLY:
-                        text = "" if chunks == 0 else None
-                    if text is not None:
-                        now = time.perf_counter()
-                        if chunks == 0:
-                            result.ttft = now - start
-                        else:
-                            result.itl.append(now - last)
-                        last = now
-                        chunks += 1
-                        text_parts.append(text)
-                    usage = chunk.get("usage")
-                    if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-                        usage_tokens = int(usage["completion_tokens"])
-                if done:
+                if any(reader.line(raw) for raw in lines):
                     break
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -172,13 +180,15 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, 
     except Exception as exc:  # noqa: BLE001 - a failed request is a result, never the end of the run
         result.error = f"{type(exc).__name__}: {exc}"
         return result
-    result.generated_text = "".join(text_parts)
-    if chunks == 0:
+    if result.error:  # an error event
+        return result
+    result.generated_text = "".join(reader.text_parts)
+    if reader.chunks == 0:
         result.error = "the stream held no content chunk, so there is no time to first token"
         return result
     result.success = True
-    result.latency = last - start
-    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    result.latency = reader.last - reader.start
+    result.output_tokens = reader.usage_tokens if reader.usage_tokens is not None else reader.chunks
     return result
 
 
