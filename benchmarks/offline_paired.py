@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from peers import MODELS, WORKLOADS, Ctx, _figures, print_paired, resolve_dtype
+from peers import MODELS, Ctx, _figures, print_paired, resolve_dtype
 
 OFFLINE_ENGINES = ("tokenmill", "vllm", "hf")
 
