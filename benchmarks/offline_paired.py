@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from peers import MODELS, Ctx, _figures, print_paired, resolve_dtype
+from peers import MODELS, SERVE_ONLY, WORKLOADS, Ctx, _figures, print_paired, resolve_dtype
 
 OFFLINE_ENGINES = ("tokenmill", "vllm", "hf")
 
@@ -34,7 +34,8 @@ def main() -> None:
     args = parser.parse_args()
     engines = [e.strip() for e in args.engines.split(",")]
     workloads = [w.strip() for w in args.workloads.split(",")]
-    bad = [e for e in engines if e not in OFFLINE_ENGINES] + [w for w in workloads if w not in ("A", "B", "C", "C-nocache")]
+    offline = [w for w in WORKLOADS if w not in SERVE_ONLY]
+    bad = [e for e in engines if e not in OFFLINE_ENGINES] + [w for w in workloads if w not in offline]
     if bad:
         raise SystemExit(f"unknown engine(s) or offline workload(s): {', '.join(bad)}")
     dtype = resolve_dtype(args.dtype)

@@ -39,7 +39,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from peers import (MAX_MODEL_LEN, SERVED_NAME, VLLM_KV_GIB, WORKLOADS, llamacpp_server_command, llamacpp_slots, print_paired,
+from peers import (MAX_MODEL_LEN, SERVED_NAME, VLLM_KV_GIB, WORKLOADS, Ctx, llamacpp_server_command, llamacpp_slots, print_paired,
                    tokenmill_server_command, vllm_cpu_env, vllm_server_command)
 
 from tokenmill.kernels import cpu as cpu_kernels
@@ -47,9 +47,10 @@ from tokenmill.kernels import cpu as cpu_kernels
 SINGLE = "single"
 
 
-def server_commands(work: Path, model: str, dtype: str, workload: str) -> dict[str, Callable[[int], list]]:
-    models = work / "models"
-    folder = models / model
+def server_commands(ctx: Ctx, model: str, workload: str) -> dict[str, Callable[[int], list]]:
+    """Each server's command for a port; paths (the model folders and GGUFs, llama-server, vLLM's python) as peers.py keeps them."""
+    dtype = ctx.args.dtype
+    folder = ctx.model_dir(model)
     throughput = workload != SINGLE
     no_cache = workload == "C-nocache"
 
@@ -60,21 +61,21 @@ def server_commands(work: Path, model: str, dtype: str, workload: str) -> dict[s
 
     def llama(port: int, gguf: Path) -> list:
         slots, per_slot = llamacpp_slots(workload) if throughput else (1, MAX_MODEL_LEN)
-        return llamacpp_server_command(work / "llama-build" / "bin" / "llama-server", gguf, port, os.cpu_count() or 1, slots,
-                                       slots * per_slot, *(["--cont-batching"] if throughput else []))
+        return llamacpp_server_command(ctx.llama_server(), gguf, port, ctx.ncpu, slots, slots * per_slot,
+                                       *(["--cont-batching"] if throughput else []))
 
     def vllm(port: int) -> list:
-        return vllm_server_command(work / "venv-vllm" / "bin" / "python", folder, dtype, port,
+        return vllm_server_command(ctx.vllm_python, folder, dtype, port,
                                    "--no-enable-prefix-caching" if no_cache else "--enable-prefix-caching")
 
-    gguf = lambda qtype: models / f"{model}-{qtype}.gguf"  # noqa: E731
+    gguf = lambda qtype: ctx.models_dir / f"{model}-{qtype}.gguf"  # noqa: E731
     return {
         "tm-none": lambda p: tokenmill(p, folder),
         "tm-int8": lambda p: tokenmill(p, folder, "-q", "int8"),
         "tm-int4": lambda p: tokenmill(p, folder, "-q", "int4"),
         "tm-int4g32": lambda p: tokenmill(p, folder, "-q", "int4", "--quantization-options", '{"group_size": 32}'),
         **{f"tm-gguf-{q}": (lambda p, q=q: tokenmill(p, gguf(q), "-q", "gguf")) for q in ("Q8_0", "Q4_0", "Q4_1")},
-        "ll-none": lambda p: llama(p, gguf(dtype)),
+        "ll-none": lambda p: llama(p, ctx.gguf(model)),
         **{f"ll-{q}": (lambda p, q=q: llama(p, gguf(q))) for q in ("Q8_0", "Q4_0", "Q4_1")},
         "vllm-none": vllm,
     }
@@ -133,8 +134,8 @@ def main() -> None:
                         help="one request at a time (TPOT), or one of peers.py's workloads (output throughput)")
     parser.add_argument("--first-port", type=int, default=8200)
     args = parser.parse_args()
-    work = Path(args.work_dir).expanduser()
-    commands = server_commands(work, args.model, args.dtype, args.workload)
+    ctx = Ctx(argparse.Namespace(work_dir=args.work_dir, dtype=args.dtype))
+    commands = server_commands(ctx, args.model, args.workload)
     names = [n.strip() for n in args.servers.split(",")]
     unknown = [n for n in names if split_server(n)[0] not in commands]
     if unknown:
@@ -159,7 +160,7 @@ def main() -> None:
             for name in names if r % 2 == 0 else names[::-1]:  # the order flips each round: no server always runs first
                 out = logs / f"{name}-{r}.json"
                 subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "bench", "serve", "--base-url",
-                                f"http://127.0.0.1:{procs[name][0]}", "--tokenizer", str(work / "models" / args.model),
+                                f"http://127.0.0.1:{procs[name][0]}", "--tokenizer", str(ctx.model_dir(args.model)),
                                 *bench_arguments(args.workload, r, name), "--model", SERVED_NAME, "--json", str(out)],
                                check=True, capture_output=True)
                 values[name].append(json.loads(out.read_text())[key])
