@@ -7,7 +7,8 @@ benchmarks/peers.py's `quant` step runs each server in turn, minutes apart; on a
 whose memory bandwidth drifts by a third within an hour, that compares the moments more than the
 engines. This starts every server first (one at a time, each waiting for /health; idle servers use
 no CPU), then runs `tokenmill bench serve` against them round-robin, round after round, on the same
-requests within a round. It reads what peers.py builds under WORK (default ~/.cache/tokenmill-peers):
+requests within a round, after a warm-up round that is not counted (--warmup-rounds; every server's first
+traffic compiles kernels for new shapes and touches memory for the first time). It reads what peers.py builds under WORK (default ~/.cache/tokenmill-peers):
 the model folder and its GGUFs (`python benchmarks/peers.py --steps model,llamacpp-build,quant
 --models M --quant-model M` makes them), llama-server, and vLLM's virtual environment (the
 vllm-install step).
@@ -45,6 +46,7 @@ from peers import (MAX_MODEL_LEN, SERVED_NAME, VLLM_KV_GIB, WORKLOADS, Ctx, llam
 from tokenmill.kernels import cpu as cpu_kernels
 
 SINGLE = "single"
+WARMUP_SEED = 1000  # warm-up round -1 uses seed 999: apart from the counted rounds' 0, 1, ...
 
 
 def server_commands(ctx: Ctx, model: str, workload: str) -> dict[str, Callable[[int], list]]:
@@ -133,6 +135,9 @@ def main() -> None:
     parser.add_argument("--workload", default=SINGLE, choices=[SINGLE, *(w for w in WORKLOADS if w != SINGLE)],
                         help="one request at a time (TPOT), or one of peers.py's workloads (output throughput)")
     parser.add_argument("--first-port", type=int, default=8200)
+    parser.add_argument("--warmup-rounds", type=int, default=1,
+                        help="rounds run first and not counted (their own requests): every server's first traffic "
+                             "compiles kernels for new shapes and touches its memory for the first time")
     args = parser.parse_args()
     ctx = Ctx(argparse.Namespace(work_dir=args.work_dir, dtype=args.dtype))
     commands = server_commands(ctx, args.model, args.workload)
@@ -156,15 +161,18 @@ def main() -> None:
             wait_healthy(port, proc, name, timeout=900 if name.startswith("vllm") else 300)  # vLLM compiles for a minute or more
             print(f"{name} ready on port {port} (log {logs / (name + '.log')})", flush=True)
         values: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(args.rounds):
+        for r in range(-args.warmup_rounds, args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:  # the order flips each round: no server always runs first
                 out = logs / f"{name}-{r}.json"
+                seed = r if r >= 0 else WARMUP_SEED + r  # warm-up rounds: requests that no counted round repeats
                 subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "bench", "serve", "--base-url",
                                 f"http://127.0.0.1:{procs[name][0]}", "--tokenizer", str(ctx.model_dir(args.model)),
-                                *bench_arguments(args.workload, r, name), "--model", SERVED_NAME, "--json", str(out)],
+                                *bench_arguments(args.workload, seed, name), "--model", SERVED_NAME, "--json", str(out)],
                                check=True, capture_output=True)
-                values[name].append(json.loads(out.read_text())[key])
-                print(f"round {r}: {name} {values[name][-1]:.2f} {unit}", flush=True)
+                value = json.loads(out.read_text())[key]
+                if r >= 0:
+                    values[name].append(value)
+                print(f"{'round ' + str(r) if r >= 0 else 'warm-up'}: {name} {value:.2f} {unit}", flush=True)
         what = "one request at a time: median over {} rounds of p50 time per output token" if single else \
             f"workload {args.workload}: median over {{}} rounds of the output throughput"
         print(f"\n{args.model}, served, {what.format(args.rounds)}")

@@ -16,7 +16,7 @@ from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.kernels.cpu import cpu_kernels_available
 from tokenmill.layers.attention import Attention, CpuPagedAttention, TorchPagedAttention
 from tokenmill.layers.quantization import PackedCPUWeight, cpu_packed_weights_supported
-from tokenmill.layers.quantization.unquantized import bucketed_rows
+from tokenmill.layers.quantization.unquantized import bucketed_rows, unpadded_head
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.batch import build_batch_inputs
 
@@ -175,6 +175,27 @@ def test_bucketed_rows_bound_the_shapes_and_the_padding():
     assert len(buckets) <= 48  # a few dozen oneDNN kernels per weight, whatever the traffic
     assert all(rows <= bucketed_rows(rows) <= max(rows * 1.25, rows + 7) for rows in range(1, 8193))
     assert [bucketed_rows(r) for r in (1, 8, 9, 33, 64, 65, 2048)] == [1, 8, 16, 40, 64, 80, 2048]
+
+
+def test_large_matmuls_split_where_their_bucket_pads_much():
+    """From SPLIT_MIN_ROWS rows, a row count its bucket pads by more than a twelfth runs as the largest
+    bucket below it plus the rest: no new shapes (both pieces are buckets) and at most a twelfth of padding."""
+    assert [unpadded_head(r) for r in (100, 300, 1056, 1300, 2017, 2049, 3072)] == [0, 0, 1024, 1280, 0, 2048, 0]
+    for rows in range(256, 8193):
+        head = unpadded_head(rows)
+        pieces = [head, bucketed_rows(rows - head)] if head else [bucketed_rows(rows)]
+        assert all(bucketed_rows(p) == p for p in pieces)
+        assert sum(pieces) - rows <= rows // 12
+
+
+@pytest.mark.skipif(not cpu_packed_weights_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")
+@pytest.mark.parametrize("rows", [300, 1056, 1300])
+def test_packed_cpu_linear_split_rows_match_f_linear(rows):
+    torch.manual_seed(0)
+    weight, b = torch.randn(48, 40).bfloat16(), torch.randn(48).bfloat16()
+    x = torch.randn(rows, 40).bfloat16()
+    want = F.linear(x.float(), weight.float(), b.float())
+    torch.testing.assert_close(PackedCPUWeight(weight)(x, b).float(), want, atol=0.1, rtol=2e-2)
 
 
 def test_auto_dtype_on_cpu_follows_native_bf16():
