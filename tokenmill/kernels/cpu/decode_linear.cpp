@@ -86,20 +86,6 @@ constexpr bool paired() {
 constexpr int64_t kPrefetchAhead = 16384;
 inline void prefetch_ahead(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + kPrefetchAhead, 0, 2); }
 
-// A tile computed in one pass of several rows reads its weights from memory once, and each 64 bytes
-// now carry MT times the multiplies: the out-of-order window then reaches so few bytes ahead that memory
-// sits idle between the misses, and the hardware prefetchers alone do not fill it. So such a pass asks
-// for every line kPrefetchAhead ahead of its reads (into L2), from kStreamRowsPaired rows of bf16 pairs
-// and kStreamRowsFloat rows of float32. SmolLM2's 120 layers streamed, bf16 pairs, Zen 4, with and
-// without it alternating in one process: 2 rows 1.19x, 4 1.20x, 7 1.36x, 8 1.47x (from 16.7 to 23.0
-// GB/s at 7 rows); whole decode steps in the engine (weights in huge pages): batch 2 1.08x, 4 1.16x,
-// 8 1.40x, an EAGLE tree's 7-row verifying pass 1.33x a token; one row 0.92x (where the prefetchers
-// keep up on their own), so one row does without. float32 (twice the bytes per multiply): 8 rows
-// 1.19x a step, 2 rows 0.94x, 4 level. Passes of a tile computed in several (more than kMaxRows rows)
-// take the next tile's share instead (TilePrefetch).
-constexpr int kStreamRowsPaired = 2;
-constexpr int kStreamRowsFloat = 8;
-
 // The next tile's weights asked into L2 while a tile is computed in several passes of rows (more
 // than kMaxRows rows). A tile's first pass streams its weights from memory and the passes after it
 // read them from L2, so without this, memory sat idle through those passes and the next tile's first
@@ -166,14 +152,10 @@ inline void tile_dot(const float* x, int64_t K, const WT* tile, float* out, cons
 #if TOKENMILL_SIMD
   Vec acc[MT][kVecs];
   zero_rows<MT>(acc);
-  const bool stream = MT >= kStreamRowsFloat && pf.from == nullptr;  // see kStreamRowsPaired
   for (int64_t k = 0; k < K; ++k) {
     Vec xb[MT];
     for (int i = 0; i < MT; ++i) xb[i] = Vec::set1(x[i * K + k]);
-    const char* step_bytes = reinterpret_cast<const char*>(tile + k * kTileN);
-    if constexpr (std::is_same_v<WT, int8_t>) prefetch_ahead(step_bytes);
-    else if (stream)
-      for (size_t line = 0; line < kTileN * sizeof(WT); line += 64) prefetch_ahead(step_bytes + line);
+    if constexpr (std::is_same_v<WT, int8_t>) prefetch_ahead(tile + k * kTileN);
     pf.at_step(k);
     for (int v = 0; v < kVecs; ++v) {
       const Vec wv = load_weights(tile + k * kTileN + v * W);
@@ -198,15 +180,10 @@ template <int MT>
 inline void tile_dot_paired(const uint32_t* x_pairs, int64_t pairs, const c10::BFloat16* tile, float* out, const TilePrefetch& pf) {
   Vec acc[MT][kVecs];
   zero_rows<MT>(acc);
-  const bool stream = MT >= kStreamRowsPaired && pf.from == nullptr;
   for (int64_t p = 0; p < pairs; ++p) {
     Vec xb[MT];
     for (int i = 0; i < MT; ++i) xb[i] = tokenmill_cpu::broadcast_pair(x_pairs[i * pairs + p]);
     pf.at_step(p);
-    if (stream) {
-      prefetch_ahead(tile + p * kTileN * 2);
-      prefetch_ahead(tile + p * kTileN * 2 + 32);  // a step reads two cache lines
-    }
     for (int v = 0; v < kVecs; ++v) {
       const Vec wv = tokenmill_cpu::load_bf16_pairs(tile + (p * kTileN + v * W) * 2);
       for (int i = 0; i < MT; ++i) acc[i][v] = tokenmill_cpu::dp_bf16(acc[i][v], wv, xb[i]);
