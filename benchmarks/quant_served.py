@@ -7,8 +7,9 @@ benchmarks/peers.py's `quant` step runs each server in turn, minutes apart; on a
 whose memory bandwidth drifts by a third within an hour, that compares the moments more than the
 engines. This starts every server first (one at a time, each waiting for /health; idle servers use
 no CPU), then runs `tokenmill bench serve` against them round-robin, round after round, on the same
-requests within a round, after a warm-up round that is not counted (--warmup-rounds; every server's first
-traffic compiles kernels for new shapes and touches memory for the first time). It reads what peers.py builds under WORK (default ~/.cache/tokenmill-peers):
+requests within a round, after a warm-up round that is not counted (--warmup-rounds; every server's
+first traffic compiles kernels for new shapes and touches memory for the first time). It reads what
+peers.py builds under WORK (default ~/.cache/tokenmill-peers):
 the model folder and its GGUFs (`python benchmarks/peers.py --steps model,llamacpp-build,quant
 --models M --quant-model M` makes them), llama-server, and vLLM's virtual environment (the
 vllm-install step).
@@ -91,11 +92,11 @@ def split_server(name: str) -> tuple[str, dict[str, str]]:
     return kind, extra
 
 
-def server_env(name: str) -> dict[str, str]:
+def server_env(ctx: Ctx, name: str) -> dict[str, str]:
     """The server's environment: its @ assignments, and vLLM's CPU settings as peers.py's vllm_env sets
     them (all cores: by default it keeps one back)."""
     kind, extra = split_server(name)
-    vllm = vllm_cpu_env(os.cpu_count() or 1, VLLM_KV_GIB) if kind.startswith("vllm") else {}
+    vllm = vllm_cpu_env(ctx.ncpu, VLLM_KV_GIB) if kind.startswith("vllm") else {}
     return {**os.environ, **vllm, **extra}
 
 
@@ -156,7 +157,7 @@ def main() -> None:
             port = args.first_port + i
             command = commands[split_server(name)[0]](port)
             proc = subprocess.Popen([str(c) for c in command], stdout=open(logs / f"{name}.log", "w"), stderr=subprocess.STDOUT,
-                                    env=server_env(name))
+                                    env=server_env(ctx, name))
             procs[name] = (port, proc)
             wait_healthy(port, proc, name, timeout=900 if name.startswith("vllm") else 300)  # vLLM compiles for a minute or more
             print(f"{name} ready on port {port} (log {logs / (name + '.log')})", flush=True)

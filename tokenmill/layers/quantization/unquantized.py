@@ -124,13 +124,13 @@ class PackedCPUWeight:
         """oneDNN's matmul at bucketed row counts: `flat` padded up to its bucket, or split at unpadded_head."""
         rows = flat.shape[0]
         padded = bucketed_rows(rows)
-        if padded == rows:
-            return self._matmul(flat, self.packed, bias, "none", [], "")
-        head = unpadded_head(rows)
-        if head:
-            return torch.cat([self._matmul(flat[:head], self.packed, bias, "none", [], ""), self._bucketed_matmul(flat[head:], bias)])
-        flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
-        return self._matmul(flat, self.packed, bias, "none", [], "")[:rows]
+        head = unpadded_head(rows) if padded != rows else 0
+        if head:  # both pieces take this path again: the head is a bucket, the rest pads to its own
+            return torch.cat([self._bucketed_matmul(flat[:head], bias), self._bucketed_matmul(flat[head:], bias)])
+        if padded != rows:
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
+        y = self._matmul(flat, self.packed, bias, "none", [], "")
+        return y if padded == rows else y[:rows]
 
 
 def bucketed_rows(rows: int) -> int:
@@ -145,7 +145,8 @@ def bucketed_rows(rows: int) -> int:
     small batches are bound by reading the weight and large ones pad by a small fraction."""
     if rows <= 8:
         return rows
-    return -(-rows // _bucket_step(rows)) * _bucket_step(rows)
+    step = _bucket_step(rows)
+    return -(-rows // step) * step
 
 
 def _bucket_step(rows: int) -> int:
