@@ -57,7 +57,14 @@ namespace {
 
 // Keys per tile (N): against 32, a 2,048-token bf16 prompt 8.9 -> 8.0 ms, float32 16.3 -> 15.3; 64 and 256 less.
 constexpr int64_t kKeyTile = 128;
-constexpr int64_t kRowsPerTask = 64;    // query rows (positions x G heads) per task by default
+// Query rows (positions x G heads) a task aims at by default, in whole vectors of rows, a chunk cut into equal
+// tasks (positions_per_task, split_chunk). For G = 3 that is 16 positions, 48 rows, where it was 21 positions: a
+// 32-token chunk ran as tasks of 63 and 33 rows, padded to 64 and 48, each walking the whole context. Workload
+// C's big prefill step (1,056 tokens from 0 and 63 chunks of 32 after 1,024), bf16, Zen 4, 2 threads, tilings
+// alternating in one process: 1.12x with 4 or 3 KV heads, 16 chunks of 32 after 512 1.13-1.20x, prompts from 0
+// 0.99-1.13x; for G = 1, 4, 8 the tiling is the same as before (0.98-1.03x). 96 rows: C 1.14-1.15x, but
+// G = 8 0.92x on 32 prompts of 128; 128 rows lost on prompts from 0 (0.89-0.95x).
+constexpr int64_t kRowsPerTask = 64;
 // The cascade's prefix pass: more rows per walk over the prefix (64 requests of G = 3). 64 decodes over a
 // 1,024-token prefix, 4 KV heads (tiny100m), Zen 5, 2 threads, against 64 rows: bf16 411 -> 334 us,
 // float32 778 -> 616 (3 KV heads, SmolLM2: 318 -> 270, 584 -> 485). The prompt kernel gained nothing.
@@ -484,6 +491,26 @@ struct Task {
   int64_t b, h, i0, rows;  // request, KV head, first query offset in the chunk, query positions
 };
 
+// Query positions per task. Asked for (rows_per_task > 0, the tests' tilings): rows_per_task / G, at least one.
+// By default: as many as fill kRowsPerTask rows in whole steps of `quantum` positions, the fewest whose G rows
+// fill whole vectors of `lanes` (G = 3: 16 positions, 48 rows, on AVX-512), at least one step.
+inline int64_t positions_per_task(int64_t rows_per_task, int64_t G, int64_t lanes, int64_t& quantum) {
+  if (rows_per_task > 0) {
+    quantum = 1;
+    return std::max<int64_t>(1, rows_per_task / G);
+  }
+  quantum = lanes / std::gcd(G, lanes);
+  return std::max(quantum, (kRowsPerTask / G + quantum / 2) / quantum * quantum);
+}
+
+// A chunk of L positions cut into the fewest tasks of at most M positions, of equal size rounded up to `quantum`
+// (the last one takes the rest): 40 positions at M = 32 run as 20 + 20, or as 32 + 8 with a quantum of 16.
+inline int64_t split_chunk(int64_t L, int64_t M, int64_t quantum) {
+  const int64_t tasks = std::max<int64_t>(1, (L + M - 1) / M);
+  const int64_t even = (L + tasks - 1) / tasks;
+  return std::min(M, (even + quantum - 1) / quantum * quantum);
+}
+
 template <typename scalar_t, typename cache_t>
 void prefill_kernel(
     const scalar_t* q, int64_t q_stride,  // [T, Hkv * G, D], rows q_stride apart
@@ -499,11 +526,14 @@ void prefill_kernel(
     int64_t window, float scale, int64_t rows_per_task) {
   int64_t lanes = 1;
   const bool vec = vector_rows(D, lanes);
-  const int64_t M = std::max<int64_t>(1, rows_per_task / G);  // query positions per task
+  int64_t quantum = 1;
+  const int64_t M = positions_per_task(rows_per_task, G, lanes, quantum);  // query positions per task, at most
   std::vector<Task> tasks;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i0 = 0; i0 < lens[b]; i0 += M)
-      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, i0, std::min(M, lens[b] - i0)});
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t Mb = split_chunk(lens[b], M, quantum);
+    for (int64_t i0 = 0; i0 < lens[b]; i0 += Mb)
+      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, i0, std::min(Mb, lens[b] - i0)});
+  }
   // Longest contexts first, so that the last tasks handed out are short ones.
   std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& x, const Task& y) {
     return starts[x.b] + x.i0 + x.rows > starts[y.b] + y.i0 + y.rows;
@@ -610,7 +640,7 @@ void paged_prefill_attention(
       prefill_kernel<scalar_t, cache_t>(
           q.data_ptr<scalar_t>(), q.stride(0), static_cast<const cache_t*>(k_cache.data_ptr()),
           static_cast<const cache_t*>(v_cache.data_ptr()), scales.k, scales.v, scales.stride, r, s, n, tb, out.data_ptr<scalar_t>(),
-          B, Hkv, H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale), rows_per_task > 0 ? rows_per_task : kRowsPerTask);
+          B, Hkv, H / Hkv, D, NB, BS, table.size(1), window, static_cast<float>(scale), rows_per_task);
     };
     tokenmill_cpu::dispatch_kv_cache<scalar_t>(quantized, k_cache.scalar_type(), "paged_prefill_attention", run);
   });
