@@ -114,6 +114,12 @@ def test_task_tiling(rows_per_task, group, dtype):
     check([(0, 50), (33, 64), (7, 2)], 1, group, 64, dtype, rows_per_task=rows_per_task, seed=rows_per_task + group)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [2, 5, 6, 7, 9, 12])  # default tasks: 32, 16, 8, 16, 7 (one by one), 4 positions
+def test_default_tiling_other_groups(group, dtype):
+    check([(0, 50), (33, 64), (7, 2), (300, 45)], 1, group, 64, dtype, seed=group)
+
+
 @pytest.mark.parametrize("block", [1, 16, 32])
 def test_block_sizes(block):
     q, k_cache, v_cache, table, first_rows, starts, lens = make_case([(0, 9), (40, 40), (3, 70)], 3, 3, 64, torch.float32, block=block)

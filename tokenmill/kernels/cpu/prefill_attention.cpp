@@ -493,13 +493,12 @@ struct Task {
 
 // Query positions per task. Asked for (rows_per_task > 0, the tests' tilings): rows_per_task / G, at least one.
 // By default: as many as fill kRowsPerTask rows in whole steps of `quantum` positions, the fewest whose G rows
-// fill whole vectors of `lanes` (G = 3: 16 positions, 48 rows, on AVX-512), at least one step.
+// fill whole vectors of `lanes` (G = 3: 16 positions, 48 rows, on AVX-512), at least one step; where that step
+// is over twice kRowsPerTask rows (G = 9: 144; 71 query heads to one KV head: 1,136), positions one by one.
 inline int64_t positions_per_task(int64_t rows_per_task, int64_t G, int64_t lanes, int64_t& quantum) {
-  if (rows_per_task > 0) {
-    quantum = 1;
-    return std::max<int64_t>(1, rows_per_task / G);
-  }
-  quantum = lanes / std::gcd(G, lanes);
+  quantum = 1;
+  if (rows_per_task > 0) return std::max<int64_t>(1, rows_per_task / G);
+  if (lanes / std::gcd(G, lanes) * G <= 2 * kRowsPerTask) quantum = lanes / std::gcd(G, lanes);
   return std::max(quantum, (kRowsPerTask / G + quantum / 2) / quantum * quantum);
 }
 
