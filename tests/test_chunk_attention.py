@@ -115,7 +115,7 @@ def test_task_tiling(rows_per_task, group, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [2, 5, 6, 7, 9, 12])  # default tasks: 32, 16, 8, 16, 7 (one by one), 4 positions
+@pytest.mark.parametrize("group", [2, 5, 6, 7, 9, 12])  # default tasks on AVX-512: 32, 16, 8, 16, 7 (one by one), 4 positions
 def test_default_tiling_other_groups(group, dtype):
     check([(0, 50), (33, 64), (7, 2), (300, 45)], 1, group, 64, dtype, seed=group)
 

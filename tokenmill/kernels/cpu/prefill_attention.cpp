@@ -498,7 +498,8 @@ struct Task {
 inline int64_t positions_per_task(int64_t rows_per_task, int64_t G, int64_t lanes, int64_t& quantum) {
   quantum = 1;
   if (rows_per_task > 0) return std::max<int64_t>(1, rows_per_task / G);
-  if (lanes / std::gcd(G, lanes) * G <= 2 * kRowsPerTask) quantum = lanes / std::gcd(G, lanes);
+  const int64_t whole_vectors = lanes / std::gcd(G, lanes);  // the fewest positions whose G rows fill whole vectors
+  if (whole_vectors * G <= 2 * kRowsPerTask) quantum = whole_vectors;
   return std::max(quantum, (kRowsPerTask / G + quantum / 2) / quantum * quantum);
 }
 
